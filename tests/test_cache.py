@@ -1,0 +1,65 @@
+"""The two caches: same contents, and the static buffer's copy accounting."""
+import pytest
+import torch
+
+from toyllm import DynamicKVCache, StaticKVCache, build_model, make_cache
+
+
+def _fill(cache, steps, n_layers=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for t in steps:
+        for layer in range(n_layers):
+            k, v = torch.randn(1, 2, t, 8, generator=g), torch.randn(1, 2, t, 8, generator=g)
+            out_k, out_v = cache.update(layer, k, v)
+    return out_k, out_v
+
+
+@pytest.mark.parametrize("reserve", [2.0, 1.5, 1.1])
+def test_static_equals_dynamic(reserve):
+    steps = [5] + [1] * 14          # a 5-token prefill then 14 decode steps: 19 tokens = S - 1
+    dyn = DynamicKVCache(2)
+    sta = StaticKVCache(2, 2, 8, window=19, reserve=reserve)
+    kd, vd = _fill(dyn, steps)
+    ks, vs = _fill(sta, steps)
+    assert torch.equal(kd, ks) and torch.equal(vd, vs)
+    assert dyn.length == sta.length == 19
+
+
+def test_two_times_s_minus_1_reservation_never_copies():
+    cache = StaticKVCache(2, 2, 8, window=19, reserve=2.0)
+    _fill(cache, [5] + [1] * 14)
+    assert cache.capacity == 38 and cache.copies == 0
+
+
+def test_smaller_reservation_copies_and_counts_it():
+    cache = StaticKVCache(2, 2, 8, window=20, reserve=1.5)    # 30 rows: 10 free appends, then a shift
+    _fill(cache, [1] * 20)
+    assert cache.capacity == 30
+    assert cache.copies == 2            # one shift per layer (after 10 free appends), 2 layers
+    assert cache.copied_rows > 0
+
+
+def test_window_view_is_left_padded():
+    cache = StaticKVCache(1, 1, 4, window=6)
+    k = torch.ones(1, 1, 2, 4)
+    cache.update(0, k, k)
+    kw, _ = cache.window_view(0)
+    assert kw.shape == (1, 1, 6, 4)
+    assert torch.equal(kw[0, 0, :4], torch.zeros(4, 4)) and torch.equal(kw[0, 0, 4:], torch.ones(2, 4))
+
+
+def test_static_cache_too_small_is_rejected():
+    cache = StaticKVCache(1, 1, 4, window=3)
+    with pytest.raises(ValueError, match="static cache too small.*holds 3 tokens"):
+        cache.update(0, torch.ones(1, 1, 4, 4), torch.ones(1, 1, 4, 4))
+
+
+def test_static_buffer_bytes_match_the_formula():
+    # 2 (reserve) * 2 (K and V) * layers * heads * (S-1) * D * 4 bytes
+    cache = StaticKVCache(n_layers=2, n_kv_heads=3, head_dim=8, window=15, reserve=2.0)
+    assert cache.nbytes == 2 * 2 * 2 * 3 * 15 * 8 * 4
+
+
+def test_make_cache_rejects_unknown_kind():
+    with pytest.raises(ValueError, match="unknown cache 'paged'"):
+        make_cache("paged", build_model("tiny").config, 10)

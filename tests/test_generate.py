@@ -1,0 +1,98 @@
+"""Generation: naive == cached (tokens and logits), sampling, streaming, bad input."""
+import pytest
+import torch
+
+from toyllm import StaticKVCache, build_model, generate, get_config, sample_next_token
+
+LOGIT_ATOL = 1e-4   # float32; cached attention sums over the same keys in another order
+
+
+def _prompt(n, vocab=256, seed=0):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("n_kv_heads", [2, 1])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_naive_and_cached_agree_on_tiny(n_kv_heads, cache):
+    model = build_model(get_config("tiny").with_(n_kv_heads=n_kv_heads))
+    ids = _prompt(64)
+    naive = generate(model, ids, 40, method="naive", return_logits=True)
+    cached = generate(model, ids, 40, method="cached", cache=cache, return_logits=True)
+    assert naive.output_ids == cached.output_ids
+    diff = max((a - b).abs().max().item() for a, b in zip(naive.logits, cached.logits))
+    assert diff < LOGIT_ATOL
+
+
+def test_tiny_fits_a_64_token_prompt_and_256_new_tokens():
+    model = build_model("tiny")
+    out = generate(model, _prompt(64), 256, cache="static")
+    assert len(out.output_ids) == 256 and out.ttft_s > 0 and out.tpot_s > 0
+
+
+@pytest.mark.slow
+def test_naive_and_cached_agree_on_smollm2(smollm2):
+    model, tok = smollm2
+    ids = tok.encode_chat("Name three colours.")
+    naive = generate(model, ids, 12, method="naive", return_logits=True)
+    cached = generate(model, ids, 12, method="cached", return_logits=True)
+    static = generate(model, ids, 12, method="cached", cache="static", return_logits=True)
+    assert naive.output_ids == cached.output_ids == static.output_ids
+    assert max((a - b).abs().max().item() for a, b in zip(naive.logits, cached.logits)) < 1e-3
+
+
+def test_seeded_sampling_is_reproducible():
+    model = build_model("tiny")
+    kw = dict(temperature=1.0, top_k=50, top_p=0.9)
+    a = generate(model, _prompt(8), 30, seed=123, **kw).output_ids
+    b = generate(model, _prompt(8), 30, seed=123, **kw).output_ids
+    c = generate(model, _prompt(8), 30, seed=124, **kw).output_ids
+    assert a == b and a != c
+
+
+def test_sampling_respects_top_k_and_top_p():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
+    g = torch.Generator().manual_seed(0)
+    draws = {sample_next_token(logits, 1.0, top_k=2, generator=g) for _ in range(200)}
+    assert draws == {0, 1}
+    # p(0) = 0.64, p(1) = 0.24: top_p=0.8 keeps the two of them only
+    draws = {sample_next_token(logits, 1.0, top_p=0.8, generator=g) for _ in range(200)}
+    assert draws == {0, 1}
+    assert sample_next_token(logits, 0.0) == 0
+    assert {sample_next_token(logits, 1.0, top_p=0.01, generator=g) for _ in range(20)} == {0}
+
+
+def test_sampling_frequencies_follow_the_softmax():
+    logits = torch.tensor([1.0, 0.0, -1.0])
+    g = torch.Generator().manual_seed(0)
+    n = 4000
+    counts = torch.bincount(torch.tensor([sample_next_token(logits, 2.0, generator=g) for _ in range(n)]), minlength=3)
+    expected = torch.softmax(logits / 2.0, -1)
+    assert torch.allclose(counts / n, expected, atol=0.03)
+
+
+def test_stops_on_eos_and_streams_tokens():
+    model = build_model("tiny")
+    first = generate(model, _prompt(10), 5).output_ids
+    streamed = []
+    out = generate(model, _prompt(10), 50, eos_id=first[2], on_token=streamed.append)
+    assert out.output_ids == first[:3] == streamed and out.stopped_on_eos
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompt_ids=[]), "prompt is empty"),
+    (dict(prompt_ids=[1] * 1025), "prompt has 1025 tokens but max_context is 1024"),
+    (dict(max_new_tokens=-1), "max_new_tokens must be >= 0"),
+    (dict(max_new_tokens=1020), r"exceeds max_context=1024"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(temperature=-0.5), "temperature must be >= 0"),
+    (dict(top_k=0), "top_k must be a positive integer"),
+    (dict(method="magic"), "unknown method 'magic'"),
+    (dict(cache="paged"), "unknown cache 'paged'"),
+    (dict(cache=StaticKVCache(2, 2, 16, window=8)), "cache too small"),
+])
+def test_bad_requests_are_rejected(kwargs, message):
+    model = build_model("tiny")
+    args = dict(prompt_ids=[1, 2, 3, 4, 5], max_new_tokens=10) | kwargs
+    with pytest.raises(ValueError, match=message):
+        generate(model, args.pop("prompt_ids"), args.pop("max_new_tokens"), **args)

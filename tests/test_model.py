@@ -1,0 +1,109 @@
+"""The model: shapes, RoPE, grouped-query attention, position offsets, kernels."""
+import pytest
+import torch
+
+from toyllm import DynamicKVCache, build_model, get_config
+from toyllm.model import PRESETS, apply_rope, dense_attention, rope_tables, sdpa_attention
+
+ATOL = 1e-5  # float32 logits of the tiny model are O(1); reordering sums moves them by ~1e-7
+
+
+def test_presets_and_forward_shape():
+    model = build_model("tiny")
+    ids = torch.randint(0, 256, (2, 10))
+    logits = model(ids)
+    assert logits.shape == (2, 10, 256) and logits.dtype == torch.float32
+    assert PRESETS["tiny"].max_context >= 64 + 256
+    assert PRESETS["smollm2-135m"].n_kv_heads == 3 and PRESETS["smollm2-135m"].head_dim == 64
+
+
+def test_random_presets_are_seeded():
+    a, b, c = build_model("tiny", seed=1), build_model("tiny", seed=1), build_model("tiny", seed=2)
+    ids = torch.arange(20)[None]
+    assert torch.equal(a(ids), b(ids))
+    assert not torch.allclose(a(ids), c(ids))
+
+
+def test_unknown_preset_is_rejected():
+    with pytest.raises(ValueError, match="unknown model preset 'huge'.*tiny"):
+        get_config("huge")
+
+
+def test_bad_config_is_rejected():
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        get_config("tiny").with_(n_heads=4, n_kv_heads=3)
+
+
+def test_rope_rotates_interleaved_pairs():
+    cos, sin = rope_tables(4, 8, base=10000.0)
+    x = torch.tensor([1.0, 0.0, 1.0, 0.0]).view(1, 1, 1, 4)
+    pos = torch.tensor([3])
+    y = apply_rope(x, cos[pos], sin[pos]).flatten()
+    # pair (0,1) turns by 3 radians, pair (2,3) by 3 * 10000^(-1/2)
+    assert torch.allclose(y[:2], torch.tensor([torch.cos(torch.tensor(3.0)), torch.sin(torch.tensor(3.0))]), atol=1e-6)
+    angle = torch.tensor(3.0 * 10000 ** -0.5)
+    assert torch.allclose(y[2:], torch.stack([angle.cos(), angle.sin()]), atol=1e-6)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    cos, sin = rope_tables(16, 64, base=10000.0)
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+
+    def score(pq, pk):
+        return (apply_rope(q, cos[[pq]], sin[[pq]]) * apply_rope(k, cos[[pk]], sin[[pk]])).sum()
+
+    assert torch.allclose(score(10, 7), score(40, 37), atol=1e-5)
+    assert not torch.allclose(score(10, 7), score(10, 2), atol=1e-3)
+
+
+def test_chunked_prefill_with_offsets_matches_one_pass():
+    model = build_model("tiny")
+    ids = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(0))
+    full = model(ids)
+    cache = DynamicKVCache(model.config.n_layers)
+    parts = [model(ids[:, a:b], input_pos=a, cache=cache) for a, b in [(0, 17), (17, 18), (18, 50)]]
+    assert torch.allclose(torch.cat(parts, dim=1), full, atol=ATOL)
+
+
+def test_gqa_equals_mha_with_shared_kv_heads():
+    """A GQA model must behave like an MHA model whose K/V heads are copied to each group."""
+    gqa = build_model(get_config("tiny").with_(n_heads=4, n_kv_heads=2))
+    mha = build_model(get_config("tiny").with_(n_heads=4, n_kv_heads=4))
+    state = gqa.state_dict()
+    D = gqa.config.head_dim
+    for i in range(gqa.config.n_layers):
+        for w in ("wk", "wv"):
+            key = f"layers.{i}.attn.{w}.weight"
+            heads = state[key].view(2, D, -1)                                     # (Hkv, D, d_model)
+            state[key] = heads.repeat_interleave(2, dim=0).reshape(4 * D, -1)   # each kv head serves 2 q heads
+    mha.load_state_dict(state)
+    ids = torch.randint(0, 256, (1, 30))
+    assert torch.allclose(gqa(ids), mha(ids), atol=ATOL)
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+def test_cache_shapes_follow_kv_heads(n_kv_heads):
+    model = build_model(get_config("tiny").with_(n_kv_heads=n_kv_heads))
+    cache = DynamicKVCache(model.config.n_layers)
+    model(torch.randint(0, 256, (1, 12)), cache=cache)
+    assert cache.keys(0).shape == (1, n_kv_heads, 12, model.config.head_dim)
+    assert cache.length == 12
+
+
+def test_sdpa_kernel_matches_dense():
+    q, k, v = torch.randn(1, 4, 9, 16), torch.randn(1, 4, 9, 16), torch.randn(1, 4, 9, 16)
+    pos = torch.arange(9)
+    assert torch.allclose(dense_attention(q, k, v, pos, pos), sdpa_attention(q, k, v, pos, pos), atol=1e-5)
+    qp = torch.arange(5, 9)   # the last 4 queries over all 9 keys
+    assert torch.allclose(dense_attention(q[:, :, 5:], k, v, qp, pos), sdpa_attention(q[:, :, 5:], k, v, qp, pos), atol=1e-5)
+
+
+def test_positions_past_max_context_are_rejected():
+    model = build_model("tiny")
+    with pytest.raises(ValueError, match="max_context=1024"):
+        model(torch.zeros(1, 10, dtype=torch.long), input_pos=1020)
+
+
+def test_token_ids_out_of_range_are_rejected():
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 256\)"):
+        build_model("tiny")(torch.tensor([[1, 300]]))

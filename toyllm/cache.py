@@ -1,0 +1,143 @@
+"""KV caches: keep each layer's keys and values so decoding never recomputes them.
+
+Both caches have the same interface, so generation can use either:
+
+- ``cache.update(layer, k, v)`` appends this call's K and V, shaped
+  (B, Hkv, T, D), to layer ``layer`` and returns all of that layer's K and V
+  so far, (B, Hkv, S, D).
+- ``cache.length`` is the number of tokens the cache holds (after a whole
+  forward pass has updated every layer).
+- ``cache.keys(layer)`` / ``cache.values(layer)`` read a layer back.
+
+``DynamicKVCache`` grows by concatenation: simple, but each append copies the
+whole layer. ``StaticKVCache`` preallocates one buffer per layer, as an
+accelerator without dynamic shapes must, and makes appending free.
+"""
+from __future__ import annotations
+
+import torch
+
+from .model import ModelConfig
+
+
+class DynamicKVCache:
+    """A cache that grows with ``torch.cat``: every append allocates and copies."""
+
+    def __init__(self, n_layers: int):
+        self.n_layers = n_layers
+        self._k: list[torch.Tensor | None] = [None] * n_layers
+        self._v: list[torch.Tensor | None] = [None] * n_layers
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, max_tokens: int | None = None, **_) -> "DynamicKVCache":
+        return cls(cfg.n_layers)
+
+    @property
+    def length(self) -> int:
+        k = self._k[-1]
+        return 0 if k is None else k.shape[-2]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        if self._k[layer] is None:
+            self._k[layer], self._v[layer] = k, v
+        else:
+            self._k[layer] = torch.cat([self._k[layer], k], dim=-2)     # (B, Hkv, S, D)
+            self._v[layer] = torch.cat([self._v[layer], v], dim=-2)
+        return self._k[layer], self._v[layer]
+
+    def keys(self, layer: int) -> torch.Tensor:
+        return self._k[layer]
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self._v[layer]
+
+
+class StaticKVCache:
+    """A preallocated, left-padded KV buffer that makes appending pointer arithmetic.
+
+    A static graph sees a fixed window of ``window`` = S-1 rows per K or V
+    (S = the longest sequence served): the newest token sits at the right end,
+    the rows to its left are padding until the cache fills. Appending means
+    writing after the window and moving its start one row to the right. With
+    ``reserve`` = 2 the buffer has 2(S-1) rows and the window never runs off
+    the end, so no row is ever copied; a smaller reserve (e.g. 1.5) saves
+    memory but must shift the whole window back to the start now and then.
+    ``copies`` counts those shifts; ``copied_rows`` the rows they moved.
+    """
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, window: int,
+                 reserve: float = 2.0, batch: int = 1, dtype=torch.float32, device=None):
+        if window < 1:
+            raise ValueError(f"window (S-1) must be at least 1 token, got {window}")
+        if not 1.0 < reserve <= 2.0:
+            raise ValueError(f"reserve must be in (1, 2] times the window, got {reserve}")
+        self.n_layers, self.window = n_layers, window
+        self.capacity = max(window + 1, int(round(reserve * window)))     # rows per K or V
+        shape = (n_layers, batch, n_kv_heads, self.capacity, head_dim)
+        self.k_buf = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_buf = torch.zeros(shape, dtype=dtype, device=device)
+        self._end = [window] * n_layers     # per layer: one past the newest row; window = buf[end-window:end]
+        self._len = [0] * n_layers          # per layer: real (non-padding) rows in the window
+        self.copies = 0
+        self.copied_rows = 0
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, max_tokens: int, reserve: float = 2.0, batch: int = 1, **kw) -> "StaticKVCache":
+        """A cache for sequences of up to ``max_tokens`` tokens (S), holding S-1 of them."""
+        if max_tokens < 2:
+            raise ValueError(f"max_tokens (S) must be at least 2, got {max_tokens}")
+        return cls(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_tokens - 1, reserve, batch, **kw)
+
+    @property
+    def length(self) -> int:
+        return self._len[-1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes reserved for K and V of every layer."""
+        return self.k_buf.nbytes + self.v_buf.nbytes
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        T = k.shape[-2]
+        if self._len[layer] + T > self.window:
+            raise ValueError(
+                f"static cache too small: it holds {self.window} tokens (S-1) and already has "
+                f"{self._len[layer]}; cannot add {T}. Build it with a larger max_tokens")
+        end = self._end[layer]
+        if end + T > self.capacity:
+            # Out of reserved rows: shift the window back to the buffer's start (the one real copy).
+            keep = self.window - T
+            for buf in (self.k_buf, self.v_buf):
+                buf[layer, :, :, :keep] = buf[layer, :, :, end - keep:end].clone()
+            self.copies += 1
+            self.copied_rows += keep
+            end = keep
+        self.k_buf[layer, :, :, end:end + T] = k
+        self.v_buf[layer, :, :, end:end + T] = v
+        self._end[layer] = end + T
+        self._len[layer] += T
+        return self.keys(layer), self.values(layer)
+
+    def window_view(self, layer: int):
+        """The fixed-size (B, Hkv, S-1, D) K and V a static graph would read, padding included."""
+        end = self._end[layer]
+        return self.k_buf[layer, :, :, end - self.window:end], self.v_buf[layer, :, :, end - self.window:end]
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """The real rows only (padding would be masked out; slicing it away is equivalent)."""
+        end = self._end[layer]
+        return self.k_buf[layer, :, :, end - self._len[layer]:end]
+
+    def values(self, layer: int) -> torch.Tensor:
+        end = self._end[layer]
+        return self.v_buf[layer, :, :, end - self._len[layer]:end]
+
+
+CACHES = {"dynamic": DynamicKVCache, "static": StaticKVCache}
+
+
+def make_cache(kind: str, cfg: ModelConfig, max_tokens: int, **kw):
+    """A cache of ``kind`` ("dynamic" or "static") for sequences of up to ``max_tokens`` tokens."""
+    if kind not in CACHES:
+        raise ValueError(f"unknown cache {kind!r}; choose one of {sorted(CACHES)}")
+    return CACHES[kind].for_model(cfg, max_tokens, **kw)

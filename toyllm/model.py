@@ -1,0 +1,303 @@
+"""A Llama-style decoder in plain PyTorch, small enough to read in one sitting.
+
+Classes go from small to large: ``RMSNorm`` -> ``Attention`` -> ``MLP`` ->
+``Block`` -> ``Transformer``. The model knows nothing of processes or
+networks: parallel prefill (``toyllm.parallel``) drives the same blocks
+step by step through ``Block.qkv``, ``Block.attend`` and ``Block.finish``.
+
+Shapes use B = batch, T = tokens in this call, S = tokens of keys/values,
+H = query heads, Hkv = key/value heads, D = head_dim.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# An attention function takes q (B, H, T, D), k and v (B, H, S, D) with the
+# key/value heads already shared out to every query head, the absolute
+# positions of the queries (T,) and of the keys (S,), and returns (B, H, T, D).
+# It is the extension point that lessons and exercises swap.
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Every number that fixes the shape of the model."""
+
+    vocab_size: int = 256
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 4       # < n_heads means grouped-query attention (1 = multi-query)
+    head_dim: int = 16
+    ffn_dim: int = 128
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    max_context: int = 1024   # tokens
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_context"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def with_(self, **changes) -> "ModelConfig":
+        """A copy with some fields changed, e.g. ``cfg.with_(n_kv_heads=1)``."""
+        return replace(self, **changes)
+
+    @property
+    def n_params(self) -> int:
+        """Number of parameters (tied embeddings counted once)."""
+        d, hd = self.d_model, self.head_dim
+        attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
+        mlp = 3 * d * self.ffn_dim
+        per_layer = attn + mlp + 2 * d
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        return self.vocab_size * d + self.n_layers * per_layer + d + head
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # For tests and exercises: a forward pass takes about a millisecond.
+    "tiny": ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                        head_dim=16, ffn_dim=128, max_context=1024),
+    # Attention-dominated: long contexts, a small MLP, for timing parallel prefill.
+    "bench": ModelConfig(vocab_size=256, d_model=256, n_layers=4, n_heads=8, n_kv_heads=8,
+                         head_dim=32, ffn_dim=256, max_context=32768),
+    # SmolLM2-135M-Instruct, read from its GGUF file (see toyllm.weights).
+    "smollm2-135m": ModelConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                                head_dim=64, ffn_dim=1536, rope_base=100000.0, norm_eps=1e-5,
+                                max_context=8192, tie_embeddings=True),
+}
+
+
+def get_config(name: str) -> ModelConfig:
+    """The preset called ``name``; a clear error lists the known ones."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]
+
+
+# --------------------------------------------------------------------------- attention kernels
+
+def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """Boolean (T, S) mask: query at position p may see keys at positions <= p."""
+    return k_pos[None, :] <= q_pos[:, None]
+
+
+def dense_attention(q, k, v, q_pos, k_pos):
+    """Textbook attention: every dot product of QK^T, then mask, softmax, times V.
+
+    This is the kernel the KV-Runahead paper counts (c_i * (s_i + c_i) dot
+    products per rank), so every method in a comparison uses it by default.
+    """
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])           # (B, H, T, S)
+    scores = scores.masked_fill(~causal_mask(q_pos, k_pos), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v                             # (B, H, T, D)
+
+
+def sdpa_attention(q, k, v, q_pos, k_pos):
+    """PyTorch's fused kernel. With a plain causal square it may skip the masked half."""
+    T, S = q.shape[-2], k.shape[-2]
+    if T == S and torch.equal(q_pos, k_pos):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q_pos, k_pos))
+
+
+ATTENTION_KERNELS: dict[str, AttentionFn] = {"dense": dense_attention, "sdpa": sdpa_attention}
+
+
+def get_attention(kernel: str | AttentionFn) -> AttentionFn:
+    if callable(kernel):
+        return kernel
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {sorted(ATTENTION_KERNELS)}")
+    return ATTENTION_KERNELS[kernel]
+
+
+# --------------------------------------------------------------------------- building blocks
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_tables(head_dim: int, max_pos: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (max_pos, head_dim // 2): angle of pair i at position p is p * base^(-2i/D)."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the interleaved pairs (0,1), (2,3), ... of the last dim of x (B, H, T, D).
+
+    cos and sin are (T, D/2), already picked for the tokens' positions. The
+    pairing matters: GGUF llama weights are laid out for interleaved pairs.
+    """
+    x1, x2 = x[..., 0::2], x[..., 1::2]                                  # (B, H, T, D/2) each
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.flatten(-2)                                               # (B, H, T, D)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+
+    def qkv(self, x, cos, sin):
+        """Project x (B, T, d_model) to roped q (B, H, T, D) and k, v (B, Hkv, T, D)."""
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, q, k, v, q_pos, k_pos, attention: AttentionFn):
+        """Attention of q (B, H, T, D) over all keys k, v (B, Hkv, S, D); returns (B, T, d_model)."""
+        group = self.n_heads // self.n_kv_heads
+        if group > 1:  # grouped-query attention: each K/V head serves `group` query heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = attention(q, k, v, q_pos, k_pos)                           # (B, H, T, D)
+        B, H, T, D = out.shape
+        return self.wo(out.transpose(1, 2).reshape(B, T, H * D))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.w_up = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.w_down = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+
+    def forward(self, x):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    """One decoder layer, split in the three steps that parallel prefill interleaves with communication."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def qkv(self, x, cos, sin):
+        """Step 1: q (B, H, T, D), k and v (B, Hkv, T, D) of this layer's new tokens."""
+        return self.attn.qkv(self.attn_norm(x), cos, sin)
+
+    def attend(self, q, k, v, q_pos, k_pos, attention: AttentionFn):
+        """Step 2: attention output (B, T, d_model) over every key this rank holds."""
+        return self.attn.attend(q, k, v, q_pos, k_pos, attention)
+
+    def finish(self, x, attn_out):
+        """Step 3: residual add, then the MLP with its residual."""
+        h = x + attn_out
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class Transformer(nn.Module):
+    """The decoder. ``forward(ids, input_pos, cache)`` as in gpt-fast.
+
+    Without a cache the call sees only ``ids``; with a cache it appends the new
+    keys and values and attends over everything cached so far.
+    """
+
+    def __init__(self, cfg: ModelConfig, attention: str | AttentionFn = "dense"):
+        super().__init__()
+        self.config = cfg
+        self.attention = get_attention(attention)
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_context, cfg.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def set_attention(self, attention: str | AttentionFn) -> None:
+        """Swap the attention kernel (``"dense"``, ``"sdpa"`` or your own function)."""
+        self.attention = get_attention(attention)
+
+    def positions(self, start: int, length: int) -> torch.Tensor:
+        """Absolute positions start..start+length-1, checked against max_context."""
+        if start < 0 or start + length > self.config.max_context:
+            raise ValueError(
+                f"tokens at positions [{start}, {start + length}) do not fit max_context="
+                f"{self.config.max_context}; use a shorter prompt or fewer new tokens")
+        return torch.arange(start, start + length, device=self.rope_cos.device)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dim() != 2:
+            raise ValueError(f"ids must have shape [batch, tokens], got {tuple(ids.shape)}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got "
+                             f"min {int(ids.min())}, max {int(ids.max())}")
+        return self.tok_emb(ids)                                          # (B, T, d_model)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and projection to float32 logits (B, T, vocab)."""
+        return self.lm_head(self.norm(x)).float()
+
+    def forward(self, ids: torch.Tensor, input_pos: int | None = None, cache=None) -> torch.Tensor:
+        """Logits (B, T, vocab) for token ids (B, T).
+
+        input_pos: absolute position of ids[:, 0]; by default the number of
+        tokens already in the cache (0 without one).
+        cache: a ``toyllm.cache`` object; its layers get this call's K and V.
+        """
+        start = (cache.length if cache is not None else 0) if input_pos is None else int(input_pos)
+        T = ids.shape[-1]
+        if T == 0:
+            raise ValueError("ids is empty: give at least one token")
+        q_pos = self.positions(start, T)
+        cos, sin = self.rope_cos[q_pos], self.rope_sin[q_pos]
+        x = self.embed(ids)
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(x, cos, sin)
+            if cache is not None:
+                k, v = cache.update(i, k, v)                             # (B, Hkv, S, D): past + new
+            k_pos = torch.arange(start + T - k.shape[-2], start + T, device=q_pos.device)
+            x = layer.finish(x, layer.attend(q, k, v, q_pos, k_pos, self.attention))
+        return self.head(x)
+
+
+def build_model(cfg: ModelConfig | str, seed: int = 0, attention: str | AttentionFn = "dense") -> Transformer:
+    """A randomly initialised model, the same for the same seed (GPT-2 style N(0, 0.02) init)."""
+    if isinstance(cfg, str):
+        cfg = get_config(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    model = Transformer(cfg, attention)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                continue
+            std = 0.02 / math.sqrt(2 * cfg.n_layers) if name.endswith(("wo.weight", "w_down.weight")) else 0.02
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return model.eval()
