@@ -11,6 +11,8 @@ import sys
 
 import torch
 
+from .model import get_config
+
 
 class TextStreamer:
     """Prints text as tokens arrive, holding back bytes of an unfinished UTF-8 character."""
@@ -102,12 +104,94 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
+    f = sub.add_parser("prefill", help="prefill a random prompt on one or several processes (single, tsp, kvr)",
+                       description="Run under torchrun too: torchrun --nproc-per-node=P -m toyllm prefill ...")
+    f.add_argument("--model", default="tiny", help="preset: tiny, bench or smollm2-135m")
+    f.add_argument("--context", type=int, required=True, help="prompt length in tokens")
+    f.add_argument("--method", choices=["single", "tsp", "kvr"], default="kvr")
+    f.add_argument("--world-size", type=int, default=2, help="number of processes (ignored for single)")
+    f.add_argument("--partition", type=_int_list, default=None, help="tokens per rank, e.g. 5000,3192")
+    f.add_argument("--partition-table", default=None, help="JSON table of searched partitions (KVR-P)")
+    f.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="KVR: overlap communication with compute (isend/irecv)")
+    f.add_argument("--repeat", type=int, default=3, help="timed runs after one warm-up, in the same processes")
+    f.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
+    f.add_argument("--attention", choices=["dense", "sdpa"], default="dense")
+    f.add_argument("--bandwidth", type=float, default=None, help="simulated link bandwidth in GB/s")
+    f.add_argument("--latency", type=float, default=0.0, help="simulated link latency in seconds")
+    f.add_argument("--noise", type=float, default=0.0, help="relative noise on the link between ranks 0 and 1")
+    f.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
+    f.add_argument("--decode", type=int, default=0, help="greedy tokens to decode after the prefill")
+    f.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
+    f.add_argument("--check", action="store_true", help="also prefill on one process and report the logit difference")
+    f.add_argument("--timeout", type=float, default=600.0, help="wall-clock limit in seconds")
+    f.add_argument("--json", action="store_true")
+
     b = sub.add_parser("bench", help="run the benchmarks and write their tables to a Markdown file")
     b.add_argument("--out", default="docs/benchmarks.md")
     b.add_argument("--only", choices=["generation", "prefill", "search"], action="append",
                    help="run only these sections (repeatable); default: all")
     b.add_argument("--quick", action="store_true", help="fewer repeats and sizes (a smoke run, not for docs)")
     return p
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 5000,3192, got {text!r}")
+
+
+def cmd_prefill(args) -> int:
+    from .launch import launched_by_torchrun
+    from .parallel import LinkModel, ModelSpec, parallel_prefill, single_prefill, torchrun_main
+    from .partition import PartitionTable
+
+    spec = ModelSpec(args.model, attention=args.attention)
+    vocab = get_config(args.model).vocab_size
+    if args.context < 1:
+        raise ValueError(f"--context must be at least 1 token, got {args.context}")
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
+    ids = torch.randint(0, vocab, (args.context,), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    p = 1 if args.method == "single" else args.world_size
+    partition = args.partition
+    if args.partition_table:
+        if partition:
+            raise ValueError("give either --partition or --partition-table, not both")
+        table = PartitionTable.load(args.partition_table)
+        if table.world_size != p:
+            raise ValueError(f"the table is for {table.world_size} processes, not {p}")
+        partition = table.predict(args.context)
+    link = LinkModel(args.bandwidth, args.latency, (0, 1) if args.noise else None, args.noise) if args.bandwidth else None
+    if launched_by_torchrun():
+        from .parallel import check_prefill_args
+
+        chunks = check_prefill_args(args.context, args.method, int(__import__("os").environ["WORLD_SIZE"]), partition)
+        result = torchrun_main(spec, ids, args.method, chunks, args.overlap, link, args.repeat, 1,
+                               args.backend, args.timeout)
+        if result is None:      # not rank 0: rank 0 reports
+            return 0
+    else:
+        result = parallel_prefill(spec, ids, args.method, p, partition, overlap=args.overlap, link=link,
+                                  repeat=args.repeat, threads_per_rank=args.threads, backend=args.backend,
+                                  decode_tokens=args.decode, timeout_s=args.timeout)
+    if args.check:
+        torch.set_num_threads(args.threads)
+        ref, _ = single_prefill(spec.build(), ids)
+        result.max_abs_logit_diff = (result.logits - ref).abs().max().item()
+    if args.json:
+        print(json.dumps(result.to_json()))
+        return 0
+    sim = " (simulated link: %g GB/s)" % args.bandwidth if link else ""
+    print(f"{result.method} prefill of {result.context} tokens on {result.world_size} process(es), partition "
+          f"{result.partition}, {result.threads_per_rank} thread(s) each{sim}")
+    print(f"TTFT median {result.ttft_s:.4f} s over {len(result.ttft_runs)} run(s); first token {result.first_token}")
+    if result.decoded:
+        print(f"decoded after prefill: {result.decoded}")
+    if result.max_abs_logit_diff is not None:
+        print(f"max |logit - single-process logit| = {result.max_abs_logit_diff:.2e}")
+    return 0
 
 
 def cmd_bench(args) -> int:
@@ -117,7 +201,7 @@ def cmd_bench(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "demo": cmd_demo, "bench": cmd_bench}
+COMMANDS = {"generate": cmd_generate, "demo": cmd_demo, "prefill": cmd_prefill, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,192 @@
+"""TSP and KV-Runahead prefill across real processes (gloo on CPU) vs one process.
+
+Tolerance: float32 logits and caches agree to 1e-4 (the parallel ranks sum
+the same products, in a different order only where chunks are concatenated).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from toyllm import generate
+from toyllm.launch import WorkerError, WorkerPool, free_port
+from toyllm.parallel import LinkModel, ModelSpec, parallel_prefill, single_prefill
+
+ATOL = 1e-4
+CONTEXT = 37
+SPECS = {
+    "gqa": ModelSpec("tiny"),                                   # 4 query heads share 2 K/V heads
+    "mha": ModelSpec("tiny", overrides=(("n_kv_heads", 4),)),
+    "mqa": ModelSpec("tiny", overrides=(("n_kv_heads", 1),)),
+}
+PARTITIONS = {
+    2: [None, [30, 7], [1, 36], [36, 1]],
+    3: [None, [20, 1, 16], [1, 1, 35]],
+    4: [None, [10, 12, 14, 1], [1, 20, 8, 8]],
+}
+CASES = [(p, part) for p, parts in PARTITIONS.items() for part in parts]
+
+
+@pytest.fixture(scope="module")
+def pools():
+    """One pool per world size, shared by every test in this file (start-up is the slow part)."""
+    made = {}
+
+    def get(p):
+        if p not in made:
+            made[p] = WorkerPool(p, timeout_s=120)
+        return made[p]
+
+    yield get
+    for pool in made.values():
+        pool.close()
+
+
+def _ids(n=CONTEXT, seed=0):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def references():
+    out = {}
+    for name, spec in SPECS.items():
+        logits, cache = single_prefill(spec.build(), _ids())
+        out[name] = (logits, cache)
+    return out
+
+
+def _assert_matches(result, reference):
+    logits, cache = reference
+    assert (result.logits - logits).abs().max().item() < ATOL
+    assert result.first_token == int(logits.argmax())
+    assert len(result.kv_cache) == len(cache)
+    for (k, v), (k_ref, v_ref) in zip(result.kv_cache, cache):
+        assert k.shape == k_ref.shape                       # the whole context: (1, Hkv, C, D)
+        assert (k - k_ref).abs().max().item() < ATOL and (v - v_ref).abs().max().item() < ATOL
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("p, partition", CASES)
+@pytest.mark.parametrize("method", ["tsp", "kvr"])
+def test_parallel_prefill_equals_one_process(pools, references, p, partition, method):
+    result = parallel_prefill(SPECS["gqa"], _ids(), method, p, partition, pool=pools(p), return_cache=True)
+    _assert_matches(result, references["gqa"])
+    assert result.partition == (partition or result.partition) and sum(result.partition) == CONTEXT
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["mha", "mqa"])
+@pytest.mark.parametrize("method", ["tsp", "kvr"])
+def test_parallel_prefill_other_head_layouts(pools, references, kind, method):
+    result = parallel_prefill(SPECS[kind], _ids(), method, 3, [5, 20, 12], pool=pools(3), return_cache=True)
+    _assert_matches(result, references[kind])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("p, partition", [(2, [30, 7]), (4, [10, 12, 14, 1])])
+def test_blocking_and_async_kvr_agree(pools, p, partition):
+    a = parallel_prefill(SPECS["gqa"], _ids(), "kvr", p, partition, overlap=True, pool=pools(p))
+    b = parallel_prefill(SPECS["gqa"], _ids(), "kvr", p, partition, overlap=False, pool=pools(p))
+    assert torch.equal(a.logits, b.logits)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("p", [2, 3])
+def test_decoding_continues_from_the_kvr_cache(pools, p):
+    model = SPECS["gqa"].build()
+    expected = generate(model, _ids(), 12).output_ids
+    result = parallel_prefill(SPECS["gqa"], _ids(), "kvr", p, pool=pools(p), decode_tokens=12)
+    assert result.decoded == expected
+
+
+@pytest.mark.timeout(300)
+def test_timelines_cover_every_rank_and_layer(pools):
+    result = parallel_prefill(SPECS["gqa"], _ids(), "kvr", 3, [20, 1, 16], pool=pools(3))
+    n_layers = SPECS["gqa"].build().config.n_layers
+    by_rank = {r: [e for e in result.timeline if e["rank"] == r] for r in range(3)}
+    for rank, events in by_rank.items():
+        computed = {e["layer"] for e in events if e["kind"] == "compute" and e["layer"] is not None}
+        assert computed == set(range(n_layers))
+        assert all(e["end_s"] >= e["start_s"] >= 0 for e in events)
+        waits = [e for e in events if e["kind"] == "recv_wait"]
+        assert len(waits) == (n_layers if rank > 0 else 0)       # rank 0 never receives
+    tsp = parallel_prefill(SPECS["gqa"], _ids(), "tsp", 3, pool=pools(3))
+    assert sum(e["kind"] == "allgather" for e in tsp.timeline) == 3 * n_layers
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", ["tsp", "kvr"])
+def test_simulated_link_delays_but_does_not_change_results(pools, references, method):
+    link = LinkModel(bandwidth_gbps=1e-4, latency_s=1e-3, noisy_link=(0, 1), noise=0.5)   # ~50 ms a message
+    result = parallel_prefill(SPECS["gqa"], _ids(), method, 2, pool=pools(2), link=link, return_cache=True)
+    _assert_matches(result, references["gqa"])
+    assert any(e["kind"] == "link_delay" for e in result.timeline)
+    assert result.link["bandwidth_gbps"] == 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_smollm2_kvr_on_two_processes_gives_the_single_process_token(smollm2, pools):
+    model, tok = smollm2
+    ids = tok.encode_chat("What is the capital of France?")
+    ref_logits, _ = single_prefill(model, ids)
+    result = parallel_prefill(ModelSpec("smollm2-135m"), ids, "kvr", 2, pool=pools(2), repeat=1, warmup=0,
+                              decode_tokens=10)
+    assert result.first_token == int(ref_logits.argmax())
+    assert (result.logits - ref_logits).abs().max().item() < 1e-3
+    assert result.decoded == generate(model, ids, 10).output_ids
+    assert "Paris" in tok.decode(result.decoded)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(partition=[20, 10]), "covers 30 tokens but the context has 37"),
+    (dict(partition=[20, 10, 7]), "3 chunks but the world size is 2"),
+    (dict(partition=[37, 0]), "at least one token"),
+    (dict(partition=[36.5, 0.5]), "integer"),
+    (dict(world_size=0), "world size"),
+    (dict(world_size=40), "world size 40 > context 37"),
+    (dict(method="ring"), "unknown method 'ring'"),
+    (dict(backend="mpi"), "backend"),
+])
+def test_bad_requests_fail_before_any_process_starts(kwargs, message):
+    args = dict(method="kvr", world_size=2) | kwargs
+    with pytest.raises(ValueError, match=message):
+        parallel_prefill(SPECS["gqa"], _ids(), args.pop("method"), args.pop("world_size"), args.pop("partition", None),
+                         **args, timeout_s=5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has GPUs")
+def test_nccl_without_gpus_is_rejected():
+    with pytest.raises(ValueError, match="nccl"):
+        parallel_prefill(SPECS["gqa"], _ids(), "kvr", 2, backend="nccl", timeout_s=5)
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_rank_stops_the_run_with_its_traceback():
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())             # the shared pools may be running
+    bad = ModelSpec("tiny", overrides=(("n_kv_heads", 3),))   # 4 heads are not a multiple of 3: fails in workers
+    with pytest.raises(WorkerError, match="multiple of n_kv_heads") as info:
+        parallel_prefill(bad, _ids(), "kvr", 2, timeout_s=60)
+    assert "Traceback" in info.value.traceback
+    assert set(multiprocessing.active_children()) <= before   # none of this run's processes is left
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_runs_the_same_prefill():
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={port}", "-m", "toyllm", "prefill", "--model", "tiny", "--context", str(CONTEXT),
+           "--method", "kvr", "--partition", "30,7", "--repeat", "1", "--check", "--json"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    assert out.returncode == 0, out.stderr
+    line = [l for l in out.stdout.splitlines() if l.startswith("{")]
+    assert len(line) == 1, out.stdout          # only rank 0 reports
+    result = json.loads(line[0])
+    assert result["world_size"] == 2 and result["partition"] == [30, 7]
+    assert result["max_abs_logit_diff"] < ATOL
