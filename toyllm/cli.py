@@ -61,8 +61,9 @@ def cmd_generate(args) -> int:
 
 def cmd_demo(args) -> int:
     from . import generate, load_model
-    from .bench import naive_vs_cached
+    from .bench import ensure_resident_heap, naive_vs_cached
 
+    ensure_resident_heap(["demo"])   # steadier timings (see toyllm/bench.py)
     print("== SmolLM2-135M-Instruct, read from its GGUF file, running in plain PyTorch ==")
     model, tokenizer = load_model("smollm2-135m")
     question = "What is the capital of France?"

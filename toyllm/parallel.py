@@ -401,3 +401,17 @@ def demo_prefill(context: int = 2048, spec: ModelSpec | None = None) -> None:
                     (f"KVR, split {kvr_s.partition}", kvr_s)]:
         diff = (r.logits - single.logits).abs().max().item()
         print(f"  {name:<26} TTFT {r.ttft_s:6.3f} s   first token {r.first_token:3d}   max |logit diff| {diff:.1e}")
+
+
+def measured_cost(spec: ModelSpec | str, ids: list[int], pool: WorkerPool, method: str = "kvr",
+                  repeat: int = 3, **kw):
+    """A cost function for the partition searches: median TTFT (seconds) of real runs in ``pool``.
+
+    The pool's processes and model copies stay alive across evaluations, so
+    a search pays the start-up once.
+    """
+    def cost(chunks: list[int]) -> float:
+        return parallel_prefill(spec, ids, method, pool.world_size, list(chunks), repeat=repeat,
+                                pool=pool, **kw).ttft_s
+
+    return cost
