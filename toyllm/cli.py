@@ -128,6 +128,18 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--timeout", type=float, default=600.0, help="wall-clock limit in seconds")
     f.add_argument("--json", action="store_true")
 
+    s = sub.add_parser("search", help="search the best KVR partition (simulated or measured cost)")
+    s.add_argument("--model", default="bench", help="preset: tiny, bench or smollm2-135m")
+    s.add_argument("--context", type=_int_list, required=True, help="prompt length(s) in tokens, e.g. 4096,8192")
+    s.add_argument("--world-size", type=int, default=2)
+    s.add_argument("--cost", choices=["simulated", "measured"], default="simulated")
+    s.add_argument("--min-stride", type=int, default=None, help="finest boundary step in tokens (default C/256)")
+    s.add_argument("--repeat", type=int, default=2, help="measured cost: timed runs per partition")
+    s.add_argument("--cost-model", default=None, help="simulated cost: CostModel JSON (default: calibrate now)")
+    s.add_argument("--bandwidth", type=float, default=None, help="link bandwidth in GB/s (simulated link)")
+    s.add_argument("--table", default=None, help="add the results to this partition table (JSON; created if missing)")
+    s.add_argument("--json", action="store_true")
+
     b = sub.add_parser("bench", help="run the benchmarks and write their tables to a Markdown file")
     b.add_argument("--out", default="docs/benchmarks.md")
     b.add_argument("--only", choices=["generation", "prefill", "search"], action="append",
@@ -195,6 +207,73 @@ def cmd_prefill(args) -> int:
     return 0
 
 
+def cmd_search(args) -> int:
+    from pathlib import Path
+
+    from .partition import PartitionTable, hierarchical_grid_search, search_boundary_1d
+    from .simulate import CostModel, ttft_cost
+
+    cfg, p = get_config(args.model), args.world_size
+    if p < 2:
+        raise ValueError(f"--world-size must be at least 2 to have a partition to search, got {p}")
+    table = None
+    if args.table:
+        table = PartitionTable.load(args.table) if Path(args.table).exists() else PartitionTable(p)
+        if table.world_size != p:
+            raise ValueError(f"{args.table} is a table for {table.world_size} processes, not {p}")
+    pool, cost_model, results = None, None, []
+    try:
+        if args.cost == "simulated":
+            if args.cost_model:
+                cost_model = CostModel.from_dict(json.loads(Path(args.cost_model).read_text()))
+            else:
+                if not args.json:
+                    print("calibrating the cost model on this machine (1 thread) ...", flush=True)
+                cost_model = CostModel.calibrate(cfg)
+            if args.bandwidth:
+                cost_model = cost_model.with_(link_bandwidth_bytes_per_s=args.bandwidth * 1e9)
+        else:
+            from .launch import WorkerPool
+
+            pool = WorkerPool(p, threads_per_rank=1, timeout_s=1800)
+        for C in args.context:
+            if C < p:
+                raise ValueError(f"context {C} is shorter than the world size {p}")
+            if pool is not None:
+                from .parallel import ModelSpec, measured_cost
+
+                ids = torch.randint(0, cfg.vocab_size, (C,), generator=torch.Generator().manual_seed(0)).tolist()
+                cost = measured_cost(ModelSpec(args.model), ids, pool, repeat=args.repeat)
+            else:
+                cost = ttft_cost(cfg, cost_model, "kvr")
+            step = args.min_stride or max(1, C // 256)
+            if p == 2:
+                found = search_boundary_1d(cost, C, min_stride=step, progress=not args.json)
+            else:
+                found = hierarchical_grid_search(cost, C, p, min_stride=step, progress=not args.json)
+            results.append({"model": args.model, "context": C, "world_size": p, "cost": args.cost,
+                            "partition": found.partition, "boundaries": found.boundaries,
+                            "ttft_s": found.cost_s, "evaluations": found.evaluations,
+                            "simulated": args.cost == "simulated"})
+            if table is not None:
+                table.add(C, found.partition)
+    finally:
+        if pool is not None:
+            pool.close()
+    if table is not None:
+        table.save(args.table)
+    if args.json:
+        print(json.dumps(results[0] if len(results) == 1 else results))
+        return 0
+    for r in results:
+        kind = "simulated" if r["simulated"] else "measured"
+        print(f"context {r['context']}: best partition {r['partition']} (boundaries {r['boundaries']}), "
+              f"{kind} TTFT {r['ttft_s']:.4f} s, {r['evaluations']} evaluations")
+    if table is not None:
+        print(f"table {args.table}: contexts {table.contexts}")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from .bench import run_benchmarks
 
@@ -202,7 +281,8 @@ def cmd_bench(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "demo": cmd_demo, "prefill": cmd_prefill, "bench": cmd_bench}
+COMMANDS = {"generate": cmd_generate, "demo": cmd_demo, "prefill": cmd_prefill, "search": cmd_search,
+            "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,92 @@
+"""The command line, called in-process (``main(argv)``) and once as a real subprocess."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from toyllm.cli import main
+from toyllm.partition import PartitionTable
+from toyllm.simulate import CostModel
+
+
+def run_json(capsys, argv):
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_generate_json_naive_equals_cached(capsys):
+    base = ["generate", "--model", "tiny", "--prompt", "hello world", "--max-new-tokens", "12", "--json"]
+    naive = run_json(capsys, base + ["--method", "naive"])
+    cached = run_json(capsys, base + ["--method", "cached", "--cache", "static"])
+    assert naive["output_ids"] == cached["output_ids"] and len(naive["output_ids"]) == 12
+    assert naive["prompt_ids"] == list(b"hello world")
+    for key in ("model", "method", "text", "ttft_s", "tpot_s"):
+        assert key in naive
+
+
+def test_generate_sampling_is_seeded(capsys):
+    argv = ["generate", "--model", "tiny", "--prompt", "abc", "--max-new-tokens", "20", "--json",
+            "--temperature", "0.8", "--top-k", "40", "--top-p", "0.9", "--seed", "7"]
+    assert run_json(capsys, argv)["output_ids"] == run_json(capsys, argv)["output_ids"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--model", "tiny", "--prompt", ""], "prompt is empty"),
+    (["generate", "--model", "nano", "--prompt", "x"], "unknown model preset 'nano'"),
+    (["generate", "--model", "tiny", "--prompt", "x", "--top-p", "2"], r"top_p must be in \(0, 1\]"),
+    (["generate", "--model", "tiny", "--prompt", "x", "--max-new-tokens", "-3"], "max_new_tokens must be >= 0"),
+    (["prefill", "--model", "tiny", "--context", "10", "--world-size", "3", "--partition", "5,5"], "2 chunks"),
+    (["prefill", "--model", "tiny", "--context", "2", "--world-size", "3"], "world size 3 > context 2"),
+    (["search", "--model", "tiny", "--context", "64", "--world-size", "1"], "at least 2"),
+])
+def test_bad_input_exits_2_with_one_clear_line(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and pytest.importorskip("re").search(message, err)
+
+
+@pytest.mark.timeout(120)
+def test_prefill_json_check(capsys):
+    out = run_json(capsys, ["prefill", "--model", "tiny", "--context", "40", "--method", "kvr", "--world-size", "2",
+                            "--partition", "25,15", "--repeat", "2", "--check", "--decode", "3", "--json"])
+    assert out["method"] == "kvr" and out["partition"] == [25, 15] and len(out["ttft_runs"]) == 2
+    assert out["max_abs_logit_diff"] < 1e-4 and len(out["decoded"]) == 3 and out["timeline"]
+    single = run_json(capsys, ["prefill", "--model", "tiny", "--context", "40", "--method", "single", "--json"])
+    assert single["first_token"] == out["first_token"] == out["decoded"][0]
+
+
+@pytest.mark.timeout(120)
+def test_search_builds_a_table_that_prefill_uses(capsys, tmp_path):
+    cm = CostModel(qkv_s_per_token=1e-6, mlp_s_per_token=1e-6, attn_s_per_dot=1e-8, link_latency_s=1e-5,
+                   label="synthetic")
+    (tmp_path / "cm.json").write_text(json.dumps(cm.to_dict()))
+    table = tmp_path / "table.json"
+    out = run_json(capsys, ["search", "--model", "tiny", "--context", "256,512", "--world-size", "2",
+                            "--cost-model", str(tmp_path / "cm.json"), "--table", str(table), "--json"])
+    assert [r["context"] for r in out] == [256, 512] and all(r["simulated"] for r in out)
+    assert all(r["partition"][0] > r["partition"][1] for r in out)   # KVR gives the first rank more tokens
+    loaded = PartitionTable.load(table)
+    assert loaded.contexts == [256, 512]
+    pre = run_json(capsys, ["prefill", "--model", "tiny", "--context", "384", "--method", "kvr", "--world-size", "2",
+                            "--partition-table", str(table), "--repeat", "1", "--json"])
+    assert pre["partition"] == loaded.predict(384)
+
+
+@pytest.mark.timeout(120)
+def test_measured_search_runs_real_processes(capsys):
+    out = run_json(capsys, ["search", "--model", "tiny", "--context", "48", "--world-size", "2", "--cost", "measured",
+                            "--min-stride", "8", "--repeat", "1", "--json"])
+    assert out["cost"] == "measured" and not out["simulated"] and sum(out["partition"]) == 48
+    assert out["evaluations"] < 47                                   # far fewer than trying every boundary
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cli_chat_answer_names_paris():
+    out = subprocess.run([sys.executable, "-m", "toyllm", "generate", "--model", "smollm2-135m", "--chat",
+                          "--prompt", "What is the capital of France?", "--max-new-tokens", "24", "--json"],
+                         capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert "Paris" in result["text"]

@@ -1,0 +1,230 @@
+"""The prefill simulator (toyllm.simulate) with synthetic cost models: exact small cases and trends."""
+import pytest
+import torch
+
+from toyllm.analysis import LLAMA_7B
+from toyllm.model import get_config
+from toyllm.partition import (dot_products, even_partition, exhaustive_search, hierarchical_grid_search,
+                              kv_rows_sent, search_boundary_1d)
+from toyllm.simulate import (CostModel, SimResult, a100_like, compare_methods, random_link_noise,
+                             simulate_prefill, ttft_cost)
+from toyllm.timeline import EVENT_KINDS
+
+BENCH = get_config("bench")          # 4 layers, 8 KV heads of 32: 1 KiB per token per layer for K (float32)
+
+# Coefficients of the size measured for the bench model on a 2-core CPU, one thread
+# (dense attention about 46 ns per query-key pair per layer); a gloo-like link.
+CPU_LIKE = CostModel(qkv_s_per_token=4e-6, mlp_s_per_token=8e-6, attn_s_per_dot=4.6e-8, layer_overhead_s=1e-4,
+                     link_bandwidth_bytes_per_s=3e9, link_latency_s=50e-6, bytes_per_value=4)
+
+# Attention only, and a link so fast it costs nothing: times are exact multiples of dot products.
+ATTN_ONLY = CostModel(qkv_s_per_token=0.0, mlp_s_per_token=0.0, attn_s_per_dot=1e-6,
+                      link_bandwidth_bytes_per_s=1e30, link_latency_s=0.0)
+
+
+def rank_kind_seconds(result: SimResult, rank: int, kind: str, label_start: str = "") -> float:
+    return sum(e.duration_s for e in result.events
+               if e.rank == rank and e.kind == kind and e.label.startswith(label_start))
+
+
+# --------------------------------------------------------------------------- exact small cases
+
+def test_single_process_ttft_is_the_sum_of_its_compute():
+    C, L = 1000, BENCH.n_layers
+    res = simulate_prefill(BENCH, [C], "single", CPU_LIKE)
+    expected = L * (CPU_LIKE.layer_overhead_s + CPU_LIKE.linear_s_per_token * C + CPU_LIKE.attn_s_per_dot * C * C)
+    assert res.ttft_s == pytest.approx(expected, rel=1e-12)
+    assert res.ttft_s == pytest.approx(sum(e.duration_s for e in res.events if e.kind == "compute"), rel=1e-12)
+    assert {e.kind for e in res.events} == {"compute"}
+    # One chunk through kvr or tsp is the same single-process run.
+    assert simulate_prefill(BENCH, [C], "kvr", CPU_LIKE).ttft_s == res.ttft_s
+    assert simulate_prefill(BENCH, [C], "tsp", CPU_LIKE).ttft_s == res.ttft_s
+
+
+def test_attention_time_per_rank_is_dot_products_times_cost():
+    chunks = [4, 3, 2]                                    # the paper's Fig. 5 example
+    for method in ("kvr", "tsp"):
+        res = simulate_prefill(BENCH, chunks, method, ATTN_ONLY)
+        for i, dots in enumerate(dot_products(chunks, method)):
+            assert rank_kind_seconds(res, i, "compute", "attention") == pytest.approx(
+                BENCH.n_layers * dots * ATTN_ONLY.attn_s_per_dot)
+
+
+def test_kvr_chain_with_free_communication_matches_the_closed_form():
+    L, C = BENCH.n_layers, 100
+    # Rank 1 slower than rank 0 (c1*C >= c0^2): it never waits after layer 0, TTFT = L * c1 * C.
+    res = simulate_prefill(BENCH, [50, 50], "kvr", ATTN_ONLY)
+    assert res.ttft_s == pytest.approx(L * 50 * C * 1e-6)
+    # Rank 0 slower (c0^2 > c1*C): rank 1 waits for each layer; TTFT = (L-1) * c0^2 + c1 * C.
+    res = simulate_prefill(BENCH, [80, 20], "kvr", ATTN_ONLY)
+    assert res.ttft_s == pytest.approx(((L - 1) * 80 * 80 + 20 * C) * 1e-6)
+    assert rank_kind_seconds(res, 1, "recv_wait") > 0
+    # TSP with free communication: every layer starts with an all-gather that waits for the
+    # slowest rank (c_max * C dot products); the first token comes from the last rank.
+    tsp = simulate_prefill(BENCH, [80, 20], "tsp", ATTN_ONLY)
+    assert tsp.per_rank_finish_s[0] == pytest.approx(L * 80 * C * 1e-6)
+    assert tsp.ttft_s == pytest.approx(((L - 1) * 80 + 20) * C * 1e-6)
+
+
+def test_send_durations_follow_the_row_counts():
+    cm = CostModel(qkv_s_per_token=1e-6, mlp_s_per_token=1e-6, attn_s_per_dot=1e-9,
+                   link_bandwidth_bytes_per_s=1e9, link_latency_s=1e-5, bytes_per_value=4)
+    chunks = [40, 30, 20, 10]
+    row_bytes = BENCH.n_kv_heads * BENCH.head_dim * cm.bytes_per_value
+    res = simulate_prefill(BENCH, chunks, "kvr", cm)
+    for i, rows in enumerate(kv_rows_sent(chunks, "kvr")):
+        sends = [e for e in res.events if e.rank == i and e.kind == "send"]
+        assert len(sends) == (BENCH.n_layers if rows else 0)
+        for e in sends:
+            assert e.duration_s == pytest.approx(rows * row_bytes / 1e9 + 1e-5)
+
+
+def test_event_invariants():
+    for method, chunks in [("kvr", [300, 200, 100]), ("tsp", [200, 200, 200])]:
+        for overlap in (True, False):
+            res = simulate_prefill(BENCH, chunks, method, CPU_LIKE, overlap=overlap)
+            assert {e.kind for e in res.events} <= set(EVENT_KINDS)
+            assert all(e.end_s > e.start_s >= 0 and 0 <= e.layer < BENCH.n_layers for e in res.events)
+            for rank in range(len(chunks)):
+                # A rank's own work (everything but an asynchronous send) never overlaps itself.
+                own = sorted((e for e in res.events if e.rank == rank and (e.kind != "send" or not overlap)),
+                             key=lambda e: e.start_s)
+                assert all(a.end_s <= b.start_s + 1e-12 for a, b in zip(own, own[1:]))
+                assert own[-1].end_s == pytest.approx(res.per_rank_finish_s[rank])
+            assert res.ttft_s == res.per_rank_finish_s[-1]
+    d = res.to_dict()
+    assert d["simulated"] is True and len(d["events"]) == len(res.events)
+    assert simulate_prefill(BENCH, [300, 300], "kvr", CPU_LIKE, record_events=False).events == []
+
+
+# --------------------------------------------------------------------------- trends the lessons rely on
+
+def test_kvr_beats_tsp_for_a_long_context_and_searching_beats_even():
+    C = 8192
+    even = even_partition(C, 2)
+    tsp = simulate_prefill(BENCH, even, "tsp", CPU_LIKE).ttft_s
+    kvr_even = simulate_prefill(BENCH, even, "kvr", CPU_LIKE).ttft_s
+    found = search_boundary_1d(ttft_cost(BENCH, CPU_LIKE), C, min_stride=32)
+    assert kvr_even <= tsp
+    assert found.cost_s < 0.85 * kvr_even                 # an uneven split is clearly better
+    assert found.partition[0] > found.partition[1]        # the earlier rank takes more tokens
+    assert found.evaluations < 40
+    assert found.cost_s < tsp / 1.2
+    single = simulate_prefill(BENCH, [C], "single", CPU_LIKE).ttft_s
+    assert found.cost_s > single * 3 / 8 * 0.99          # never below the TTFT*(2) lower bound (minus overheads)
+
+
+def test_parallel_prefill_does_not_pay_on_slow_links_or_short_contexts():
+    slow = CPU_LIKE.with_(link_bandwidth_bytes_per_s=1e6)           # 1 MB/s
+    C = 8192
+    single = simulate_prefill(BENCH, [C], "single", slow).ttft_s
+    assert single < simulate_prefill(BENCH, even_partition(C, 2), "kvr", slow).ttft_s
+    assert single < simulate_prefill(BENCH, even_partition(C, 2), "tsp", slow).ttft_s
+    laggy = CPU_LIKE.with_(link_latency_s=1e-3)                     # fine bandwidth, 1 ms per message
+    C = 16
+    single = simulate_prefill(BENCH, [C], "single", laggy).ttft_s
+    assert single < simulate_prefill(BENCH, even_partition(C, 2), "kvr", laggy).ttft_s
+    assert single < simulate_prefill(BENCH, even_partition(C, 2), "tsp", laggy).ttft_s
+
+
+@pytest.mark.parametrize("method, chunks", [("kvr", [5000, 3192]), ("kvr", [2048] * 4), ("tsp", [2048] * 4)])
+def test_ttft_never_grows_with_bandwidth(method, chunks):
+    times = [simulate_prefill(BENCH, chunks, method, CPU_LIKE.with_(link_bandwidth_bytes_per_s=bw)).ttft_s
+             for bw in (1e6, 1e7, 1e8, 1e9, 1e10, 1e12)]
+    assert all(a >= b for a, b in zip(times, times[1:]))
+    assert times[0] > times[-1]
+
+
+def test_overlap_helps_kvr():
+    for chunks in ([5000, 3192], [3000, 2200, 1800, 1192]):
+        for bw in (1e8, 3e9):
+            cm = CPU_LIKE.with_(link_bandwidth_bytes_per_s=bw)
+            blocking = simulate_prefill(BENCH, chunks, "kvr", cm, overlap=False).ttft_s
+            assert simulate_prefill(BENCH, chunks, "kvr", cm, overlap=True).ttft_s < blocking
+
+
+def test_noisy_link_hurts_tsp_more_than_kvr():
+    cfg = LLAMA_7B.with_(max_context=16384)
+    cm = a100_like(cfg)
+    even = even_partition(16384, 4)
+    noise = random_link_noise(0.5, seed=1)
+    assert noise(0, 1, 3, 0) == noise(0, 1, 3, 0) >= 1.0            # deterministic, never speeds up
+    slowdown = {}
+    for method in ("tsp", "kvr"):
+        quiet = simulate_prefill(cfg, even, method, cm).ttft_s
+        noisy = simulate_prefill(cfg, even, method, cm, link_noise=noise).ttft_s
+        assert noisy >= quiet
+        assert simulate_prefill(cfg, even, method, cm, link_noise=noise).ttft_s == noisy
+        slowdown[method] = noisy / quiet - 1
+    assert slowdown["tsp"] > 2 * slowdown["kvr"]
+    assert simulate_prefill(cfg, even, "kvr", cm, link_noise=0.5).ttft_s >= simulate_prefill(cfg, even, "kvr", cm).ttft_s
+
+
+# --------------------------------------------------------------------------- searches on the simulator
+
+def test_grid_search_on_the_simulator_matches_a_finer_exhaustive_search():
+    cost = ttft_cost(BENCH, CPU_LIKE)
+    grid = hierarchical_grid_search(cost, 1024, 3)
+    reference = exhaustive_search(cost, 1024, 3, stride=4)            # 32,385 simulations
+    assert grid.cost_s <= reference.cost_s * 1.001
+    assert grid.evaluations * 50 < reference.evaluations
+    assert grid.partition[0] > grid.partition[1] > grid.partition[2]
+
+
+def test_compare_methods_orders_the_methods():
+    out = compare_methods(BENCH, 4096, 2, CPU_LIKE)
+    assert out["simulated"] is True
+    assert out["kvr_searched"] <= out["kvr_even"] <= out["tsp"] < out["single"]
+    assert out["lower_bound"] <= out["kvr_searched"]
+    assert sum(out["kvr_searched_chunks"]) == 4096
+    out4 = compare_methods(BENCH, 2048, 4, CPU_LIKE, min_stride=32)
+    assert out4["kvr_searched"] <= out4["kvr_even"] and len(out4["kvr_searched_chunks"]) == 4
+
+
+# --------------------------------------------------------------------------- cost models
+
+def test_cost_model_round_trip_and_errors():
+    d = CPU_LIKE.to_dict()
+    assert CostModel.from_dict(d) == CPU_LIKE
+    assert CPU_LIKE.linear_s_per_token == pytest.approx(12e-6)
+    assert CPU_LIKE.transfer_s(3e6) == pytest.approx(1e-3 + 50e-6)
+    with pytest.raises(ValueError, match="unknown CostModel fields"):
+        CostModel.from_dict({**d, "flops": 1})
+    with pytest.raises(ValueError, match="non-negative"):
+        CPU_LIKE.with_(attn_s_per_dot=-1.0)
+    with pytest.raises(ValueError, match="positive"):
+        CPU_LIKE.with_(link_bandwidth_bytes_per_s=0)
+
+
+def test_simulate_errors():
+    with pytest.raises(ValueError, match="unknown method"):
+        simulate_prefill(BENCH, [4, 4], "ring", CPU_LIKE)
+    with pytest.raises(ValueError, match="one process"):
+        simulate_prefill(BENCH, [4, 4], "single", CPU_LIKE)
+    with pytest.raises(ValueError, match="at least one token"):
+        simulate_prefill(BENCH, [4, 0], "kvr", CPU_LIKE)
+    with pytest.raises(ValueError, match="CostModel"):
+        simulate_prefill(BENCH, [4, 4], "kvr", {"attn_s_per_dot": 1.0})
+    with pytest.raises(ValueError, match="link_noise"):
+        simulate_prefill(BENCH, [4, 4], "kvr", CPU_LIKE, link_noise="loud")
+
+
+def test_a100_like_preset_is_labelled_and_follows_flops():
+    cfg = LLAMA_7B
+    cm = a100_like(cfg)
+    assert "assumed" in cm.label and cm.bytes_per_value == 2
+    assert cm.attn_s_per_dot == pytest.approx(4 * 32 * 128 / (312e12 * 0.5))
+    assert cm.link_bandwidth_bytes_per_s == 300e9
+    with pytest.raises(ValueError, match="mfu"):
+        a100_like(cfg, mfu=0)
+
+
+def test_calibrate_smoke_on_tiny_sizes():
+    threads = torch.get_num_threads()
+    cm = CostModel.calibrate(get_config("tiny"), contexts=(8, 16, 32), repeats=1)
+    assert torch.get_num_threads() == threads
+    assert cm.bytes_per_value == 4 and cm.label.startswith("calibrated")
+    assert min(cm.qkv_s_per_token, cm.mlp_s_per_token, cm.attn_s_per_dot, cm.layer_overhead_s) >= 0
+    assert simulate_prefill(get_config("tiny"), [20, 12], "kvr", cm).ttft_s > 0
+    with pytest.raises(ValueError, match="two context sizes"):
+        CostModel.calibrate(get_config("tiny"), contexts=(16,))
