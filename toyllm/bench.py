@@ -99,7 +99,149 @@ def bench_generation(quick: bool = False) -> str:
     return "\n".join(lines)
 
 
-SECTIONS = {"generation": bench_generation}
+def _random_ids(n: int, vocab: int = 256, seed: int = 0) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _single_s(spec, ids, threads: int, repeats: int) -> float:
+    from .parallel import parallel_prefill
+
+    return parallel_prefill(spec, ids, "single", 1, repeat=repeats, threads_per_rank=threads).ttft_s
+
+
+def bench_prefill(quick: bool = False) -> str:
+    """TTFT of one process vs TSP vs KVR on 2 processes, bench preset, dense attention."""
+    from .launch import WorkerPool
+    from .parallel import ModelSpec, parallel_prefill
+    from .partition import partition_from_ratios, ttft_lower_bound
+
+    spec = ModelSpec("bench")
+    contexts = (1024, 2048) if quick else (1024, 2048, 4096, 8192)
+    repeats = 1 if quick else 3
+    sweep = (0.5, 0.55, 0.6) if quick else (0.5, 0.53, 0.56, 0.59, 0.62, 0.65)
+    lines = ["## Parallel prefill: one process vs TSP vs KV-Runahead (p = 2)", "",
+             "bench preset (d_model 256, 8 heads, 4 layers, MLP 256), dense attention (QK^T, then mask and "
+             "softmax) for every method, random prompt. Two processes with one intra-op thread each, gloo over "
+             f"loopback. TTFT in seconds, median of {repeats} runs after a warm-up in the same processes. "
+             "KVR-best: the best boundary of a sweep over first-rank shares "
+             f"{', '.join(f'{r:.2f}' for r in sweep)} (each swept point timed with "
+             f"{max(1, repeats - 1)} run(s), the best re-timed). TTFT*(2) is the paper's lower bound "
+             "TTFT(1)/2 (1/2 + 1/4) from the one-thread single process.", "",
+             "| context | 1 proc, 1 thread | 1 proc, 2 threads | TSP | KVR-E | KVR-best (split) | "
+             "KVR-E vs TSP | KVR-best vs TSP | KVR-best vs 1 proc 2 threads | TTFT*(2) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
+    with WorkerPool(2, threads_per_rank=1, timeout_s=3600) as pool:
+        for C in contexts:
+            ids = _random_ids(C)
+            one = _single_s(spec, ids, 1, repeats)
+            two = _single_s(spec, ids, 2, repeats)
+            tsp = parallel_prefill(spec, ids, "tsp", 2, repeat=repeats, pool=pool).ttft_s
+            kvr_e = parallel_prefill(spec, ids, "kvr", 2, repeat=repeats, pool=pool).ttft_s
+            swept = {r: parallel_prefill(spec, ids, "kvr", 2, partition_from_ratios(C, [r, 1 - r]),
+                                         repeat=max(1, repeats - 1), pool=pool).ttft_s for r in sweep}
+            best_r = min(swept, key=swept.get)
+            best_chunks = partition_from_ratios(C, [best_r, 1 - best_r])
+            best = parallel_prefill(spec, ids, "kvr", 2, best_chunks, repeat=repeats, pool=pool).ttft_s
+            rows.append({"context": C, "single_1t": one, "single_2t": two, "tsp": tsp, "kvr_even": kvr_e,
+                         "kvr_best": best, "kvr_best_chunks": best_chunks})
+            lines.append(f"| {C} | {one:.3f} | {two:.3f} | {tsp:.3f} | {kvr_e:.3f} | {best:.3f} {best_chunks} | "
+                         f"{tsp / kvr_e:.2f}x | {tsp / best:.2f}x | {two / best:.2f}x | "
+                         f"{ttft_lower_bound(one, 2):.3f} |")
+            print(lines[-1], flush=True)
+    last = rows[-1]
+    verdict = ("meets" if last["tsp"] / last["kvr_best"] >= 1.25 else "does not meet")
+    lines += ["", f"At {last['context']} tokens KVR with the best boundary is {last['tsp'] / last['kvr_best']:.2f}x "
+              f"faster than TSP, which {verdict} the 1.25x target. Ratios above 1 mean faster than the named "
+              "baseline. KVR wins because each rank computes only its own rectangle of the causal triangle "
+              "(c_i (s_i + c_i) dot products instead of c_i C) and sends only to its neighbour; an uneven split "
+              "(more tokens to rank 0) evens out the per-rank work."]
+    return "\n".join(lines)
+
+
+def bench_search(quick: bool = False) -> str:
+    """Simulator vs measurement, measured vs simulated search, KVR-P vs KVR-S, simulated 8-GPU scaling."""
+    from .analysis import LLAMA_7B
+    from .launch import WorkerPool
+    from .parallel import ModelSpec, measured_cost
+    from .partition import PartitionTable, partition_from_ratios, search_boundary_1d
+    from .simulate import CostModel, a100_like, compare_methods, simulate_prefill, ttft_cost
+    from .model import get_config
+
+    cfg, spec = get_config("bench"), ModelSpec("bench")
+    repeats = 1 if quick else 2
+    cm = CostModel.calibrate(cfg, contexts=(512, 1024, 2048) if not quick else (256, 512), repeats=3)
+    lines = ["## Partition search: cost model, searches and the lookup table (p = 2)", "",
+             f"Cost model {cm.label}: qkv {cm.qkv_s_per_token * 1e6:.2f} us/token, after-attention "
+             f"{cm.mlp_s_per_token * 1e6:.2f} us/token, attention {cm.attn_s_per_dot * 1e9:.3f} ns per query-key "
+             f"pair, {cm.layer_overhead_s * 1e3:.3f} ms per layer, per layer and rank; link "
+             f"{cm.link_bandwidth_bytes_per_s / 1e9:g} GB/s + {cm.link_latency_s * 1e6:g} us (assumed). Measured "
+             f"TTFT: bench preset, two processes with one thread each, median of {repeats} runs after a warm-up.", ""]
+    contexts = (1024, 2048) if quick else (2048, 4096, 8192)
+    lines += ["### Simulated vs measured TTFT", "", "| context | method | partition | simulated (s) | measured (s) | "
+              "error |", "|---|---|---|---|---|---|"]
+    errors = []
+    with WorkerPool(2, threads_per_rank=1, timeout_s=3600) as pool:
+        for C in contexts:
+            ids = _random_ids(C)
+            measure = measured_cost(spec, ids, pool, repeat=repeats)
+            for method, ratio in [("tsp", 0.5), ("kvr", 0.5), ("kvr", 0.6), ("kvr", 0.7)]:
+                chunks = partition_from_ratios(C, [ratio, 1 - ratio])
+                sim = simulate_prefill(cfg, chunks, method, cm, record_events=False).ttft_s
+                real = (measured_cost(spec, ids, pool, "tsp", repeat=repeats) if method == "tsp" else measure)(chunks)
+                errors.append(abs(sim - real) / real)
+                lines.append(f"| {C} | {method.upper()} | {chunks} | {sim:.3f} | {real:.3f} | {(sim - real) / real:+.1%} |")
+                print(lines[-1], flush=True)
+        lines += ["", f"Largest error {max(errors):.1%}, median {statistics.median(errors):.1%} "
+                  f"(target: within 10%).", ""]
+
+        # KVR-S found by searching real runs vs by searching the simulator, then KVR-P from a table.
+        lines += ["### KVR-S: measured search vs simulated search; KVR-P from a lookup table", "",
+                  "| context | search | partition | evaluations | measured TTFT (s) |", "|---|---|---|---|---|"]
+        target, table_contexts = (1536, (1024, 2048)) if quick else (4096, (2048, 6144))
+        table = PartitionTable(2)
+        found_at = {}
+        for C in sorted({*table_contexts, target}):
+            ids = _random_ids(C)
+            measure = measured_cost(spec, ids, pool, repeat=repeats)
+            real = search_boundary_1d(measure, C, min_stride=max(1, C // 64), progress=True)
+            found_at[C] = real
+            if C in table_contexts:
+                table.add(C, real.partition)
+            lines.append(f"| {C} | measured | {real.partition} | {real.evaluations} | {real.cost_s:.3f} |")
+            print(lines[-1], flush=True)
+            if C == target:
+                sim = search_boundary_1d(ttft_cost(cfg, cm), C, min_stride=max(1, C // 64))
+                sim_real = measure(sim.partition)
+                lines.append(f"| {C} | simulated | {sim.partition} | {sim.evaluations} | {sim_real:.3f} |")
+        # The table is complete only after the loop; predict the target from the two neighbours.
+        predicted = table.predict(target)
+        ids = _random_ids(target)
+        kvr_p = measured_cost(spec, ids, pool, repeat=repeats + 1)(predicted)
+        kvr_s = measured_cost(spec, ids, pool, repeat=repeats + 1)(found_at[target].partition)
+        lines.append(f"| {target} | KVR-P (table {list(table_contexts)}) | {predicted} | 0 | {kvr_p:.3f} |")
+        lines += ["", f"KVR-P at {target} tokens, interpolated between the searched partitions at "
+                  f"{' and '.join(map(str, table_contexts))}, is {(kvr_p - kvr_s) / kvr_s:+.1%} from KVR-S "
+                  f"(re-timed side by side: {kvr_p:.3f} s vs {kvr_s:.3f} s; target: within 2%).", ""]
+
+    # Simulated scaling on assumed A100-class GPUs (the paper's setup), never measured here.
+    lines += ["### Simulated scaling to 8 GPUs (simulated, assumed A100-class hardware)", "",
+              f"Llama-7B shape, fp16, cost model: {a100_like(LLAMA_7B).label}. All numbers below are simulated.", "",
+              "| context | GPUs | link | single (s) | TSP (s) | KVR-E (s) | KVR-S (s) | TTFT*(p) (s) | KVR-S vs TSP |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for C, p, bw in ([(4096, 2, 300e9), (4096, 4, 300e9)] if quick else
+                     [(16384, 2, 300e9), (16384, 4, 300e9), (16384, 8, 300e9), (8192, 8, 300e9),
+                      (4096, 8, 300e9), (16384, 8, 10e9), (16384, 8, 1e9)]):
+        r = compare_methods(LLAMA_7B, C, p, a100_like(LLAMA_7B, link_bandwidth_bytes_per_s=bw))
+        lines.append(f"| {C} | {p} | {bw / 1e9:g} GB/s | {r['single']:.3f} | {r['tsp']:.3f} | {r['kvr_even']:.3f} | "
+                     f"{r['kvr_searched']:.3f} | {r['lower_bound']:.3f} | {r['tsp'] / r['kvr_searched']:.2f}x |")
+        print(lines[-1], flush=True)
+    lines += ["", "For orientation, the paper reports KVR-S 1.41x faster than TSP for Llama-7B on 8 A100s at 16k; "
+              "the simulator is a model with assumed coefficients, not a reproduction."]
+    return "\n".join(lines)
+
+
+SECTIONS = {"generation": bench_generation, "prefill": bench_prefill, "search": bench_search}
 
 
 def run_benchmarks(out: str, sections: list[str] | None = None, quick: bool = False) -> None:

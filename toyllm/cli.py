@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from . import grading
 from .model import get_config
 
 
@@ -139,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--bandwidth", type=float, default=None, help="link bandwidth in GB/s (simulated link)")
     s.add_argument("--table", default=None, help="add the results to this partition table (JSON; created if missing)")
     s.add_argument("--json", action="store_true")
+
+    grading.add_arguments(sub.add_parser("grade", help="grade the exercises: points per exercise, Gradescope results.json"))
 
     b = sub.add_parser("bench", help="run the benchmarks and write their tables to a Markdown file")
     b.add_argument("--out", default="docs/benchmarks.md")
@@ -282,7 +285,7 @@ def cmd_bench(args) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "demo": cmd_demo, "prefill": cmd_prefill, "search": cmd_search,
-            "bench": cmd_bench}
+            "bench": cmd_bench, "grade": grading.main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,109 @@
+"""Lesson 02 exercises: the KV cache.
+
+Naive generation recomputes the keys and values of every earlier token at
+every step. A KV cache keeps them: a *prefill* runs the prompt once and
+fills the cache, then each *decode step* feeds only the newest token, whose
+query attends over all cached keys. Queries now sit at absolute positions
+that do not start at 0, so attention needs the positions to apply the
+causal mask. The price is memory, which the formulas below count.
+
+| exercise | function               | points |
+|----------|------------------------|--------|
+| 2.1      | attention_with_offset  | 6      |
+| 2.2      | kv_cache_bytes         | 3      |
+| 2.3      | static_buffer_bytes    | 3      |
+| 2.4      | cached_generate        | 4      |
+
+Reach this file with ``toyllm.grading.load_exercise("ex02")``; check your
+work with ``python -m toyllm grade --only ex02``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from toyllm.cache import DynamicKVCache
+
+
+def attention_with_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """Exercise 2.1 (6 points): causal attention of queries and keys at absolute positions.
+
+    q: (B, H, T, D) queries of the T tokens of this call.
+    k, v: (B, H, S, D) keys and values of every token the cache holds, this
+        call's included (S >= T; GQA heads are already shared out).
+    q_pos: (T,) absolute positions of the queries; k_pos: (S,) of the keys.
+        A decode step has T = 1 and q_pos = [S - 1]; a chunked prefill has
+        q_pos starting at an offset (the tokens already cached).
+    A query at position p may only see keys at positions <= p.
+    Returns softmax(q k^T / sqrt(D), masked) v of shape (B, H, T, D), computed
+    densely: every dot product first, then the mask (-inf), then softmax.
+    Plug it into a model with ``model.set_attention(attention_with_offset)``.
+    """
+    raise NotImplementedError(
+        "Exercise 2.1: implement attention_with_offset (hint: scores = q @ k.transpose(-2, -1) / "
+        "sqrt(D); a key is visible when k_pos[None, :] <= q_pos[:, None]; fill the others with "
+        "-inf; softmax over the last dim; times v)")
+
+
+def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, tokens: int,
+                   bytes_per_value: float = 2, batch: int = 1) -> int:
+    """Exercise 2.2 (3 points): bytes of the KV cache of ``batch`` sequences of ``tokens`` tokens.
+
+    Every layer stores a key and a value vector of head_dim numbers per KV
+    head and per token; each number takes bytes_per_value bytes (2 for
+    bf16/fp16, 4 for float32, 1 for int8).
+    Grouped-query attention (fewer KV heads than query heads) and
+    multi-query attention (one KV head) shrink the cache in proportion.
+    Example: LLaMA-2-13B (40 layers, 40 KV heads, head_dim 128) holding
+    8192 tokens in bf16 needs 6,710,886,400 bytes (6.7 GB).
+    Returns bytes as an int. Raises ValueError for negative counts or a
+    bytes_per_value that is not positive.
+    """
+    raise NotImplementedError(
+        "Exercise 2.2: implement kv_cache_bytes (hint: 2 (K and V) x layers x kv_heads x head_dim x"
+        " tokens x bytes_per_value x batch)")
+
+
+def static_buffer_bytes(n_blocks: int, n_heads: int, head_dim: int, max_seq_len: int,
+                        bits: int = 16, reserve: float = 2.0) -> int:
+    """Exercise 2.3 (3 points): bytes of a preallocated K/V buffer for a runtime without dynamic shapes.
+
+    A static graph reads each layer's (and head's) past K or V as a window
+    of S - 1 rows of head_dim values, S = max_seq_len, left-padded until the
+    cache fills. Reserving ``reserve`` * (S - 1) rows per K or V lets that
+    window slide right as tokens arrive: with reserve = 2 appending never
+    copies anything; less memory (e.g. 1.5) means an occasional shift.
+    Total = 2 (K and V) x n_blocks x n_heads x reserve x (S - 1) x head_dim x bits / 8.
+    Example: Llama-7B (32 blocks, 32 heads, head_dim 128, S = 2048, 16 bits)
+    needs 2,146,435,072 bytes; with reserve = 1.5, 1,609,826,304 bytes
+    (reserve x (S - 1) may be a half row; the byte total is still whole).
+    Returns bytes as an int. Raises ValueError if max_seq_len < 2, reserve
+    is outside [1, 2] or bits is not a positive integer.
+    """
+    raise NotImplementedError(
+        "Exercise 2.3: implement static_buffer_bytes (hint: 2 x n_blocks x n_heads x reserve x "
+        "(max_seq_len - 1) x head_dim x bits / 8)")
+
+
+@torch.no_grad()
+def cached_generate(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Exercise 2.4 (4 points): greedy generation with a KV cache.
+
+    model: a toyllm ``Transformer``; ``model(ids, input_pos=p, cache=c)``
+        runs ids (1, T) at absolute positions p .. p+T-1, appends their keys
+        and values to cache c and returns logits (1, T, vocab).
+    prompt_ids: the prompt's token ids (at least one).
+    max_new_tokens: how many tokens to generate (>= 0).
+    Use a ``toyllm.cache.DynamicKVCache(model.config.n_layers)``: one prefill
+    call over the whole prompt gives the first new token, then one decode
+    call per further token feeds only that single newest token.
+    Returns the new ids only, the same as lesson 01's naive greedy loop
+    (the cache changes the cost, never the tokens).
+    Raises ValueError for an empty prompt or a negative max_new_tokens.
+    """
+    raise NotImplementedError(
+        "Exercise 2.4: implement cached_generate (hint: cache = "
+        "DynamicKVCache(model.config.n_layers); prefill: model(torch.tensor([prompt]), input_pos=0,"
+        " cache=cache); then feed [[token]] at input_pos=cache.length)")

@@ -1,0 +1,127 @@
+"""Lesson 03 exercises: rooflines, step time and memory.
+
+An operation is compute-bound when it does more FLOPs per byte it moves
+(its *arithmetic intensity*) than the hardware's FLOP/s per byte/s of
+memory bandwidth, and memory-bound otherwise. A decode step reads every
+parameter and every sequence's KV cache once, so memory bandwidth sets a
+floor under its time; batching shares the parameter reads, memory capacity
+caps the batch. These functions recompute the numbers of the scaling-book
+chapter's pop quiz and its LLaMA-2-13B tables.
+
+Units: FLOPs count a multiply and an add as two; bytes are bytes; times
+are seconds; bandwidths are bytes per second.
+
+| exercise | function                     | points |
+|----------|------------------------------|--------|
+| 3.1      | matmul_intensity             | 2      |
+| 3.2      | attention_intensity          | 2      |
+| 3.3      | min_step_time_s              | 2      |
+| 3.4      | step_time_s                  | 2      |
+| 3.5      | max_throughput_tokens_per_s  | 2      |
+| 3.6      | max_batch_size               | 2      |
+
+Reach this file with ``toyllm.grading.load_exercise("ex03")``; check your
+work with ``python -m toyllm grade --only ex03``.
+"""
+from __future__ import annotations
+
+import math
+
+
+def matmul_intensity(B: int, D: int, F: int, bytes_per_value: float = 2) -> float:
+    """Exercise 3.1 (2 points): FLOPs per byte of a [B, D] x [D, F] matmul.
+
+    FLOPs: 2 * B * D * F (one multiply and one add per term).
+    Bytes: read both inputs and write the [B, F] output, bytes_per_value
+    each: bytes_per_value * (B*D + D*F + B*F).
+    When B is much smaller than D and F the weight matrix dominates the
+    traffic and the intensity is about B (in bf16): a batch of one token
+    does about one FLOP per byte.
+    Raises ValueError if a dimension is < 1 or bytes_per_value <= 0.
+    """
+    raise NotImplementedError(
+        "Exercise 3.1: implement matmul_intensity (hint: (2 * B * D * F) / (bytes_per_value * (B*D "
+        "+ D*F + B*F)))")
+
+
+def attention_intensity(S: int, T: int) -> float:
+    """Exercise 3.2 (2 points): FLOPs per byte of one head's fused attention, T queries over S keys (16-bit).
+
+    FLOPs: 2*S*T*D for q k^T plus 2*S*T*D for the weights times v.
+    Bytes (flash-style, the S x T scores never touch memory): read q (T x D),
+    k and v (S x D each), write the output (T x D), 2 bytes per value:
+    4*S*D + 4*T*D. The head_dim D (and the batch) cancel: S*T / (S + T).
+    Prefill (S = T): T/2, so long prompts are compute-bound. Decode
+    (T = 1, S large): about 1, memory-bound however long the context.
+    Raises ValueError if S or T is < 1.
+    """
+    raise NotImplementedError(
+        "Exercise 3.2: implement attention_intensity (hint: 4*S*T*D FLOPs over 4*(S+T)*D bytes; D "
+        "cancels)")
+
+
+def min_step_time_s(param_bytes: float, kv_bytes_per_seq: float, batch: int,
+                    hbm_bandwidth_bytes_per_s: float) -> float:
+    """Exercise 3.3 (2 points): lower bound on one decode step's time, in seconds, when memory-bound.
+
+    Every step reads all parameters once and the KV cache of each of the
+    batch sequences once, at hbm_bandwidth_bytes_per_s:
+    (batch * kv_bytes_per_seq + param_bytes) / bandwidth.
+    Example (the pop quiz): 30e9 bytes of int8 weights, 819.2e6 bytes of KV
+    per sequence (100 kB/token x 8192 tokens), batch 4, 16 chips x 8.1e11 B/s:
+    about 2.5 ms.
+    Raises ValueError for a negative batch or a bandwidth that is not positive.
+    """
+    raise NotImplementedError(
+        "Exercise 3.3: implement min_step_time_s (hint: (batch * kv_bytes_per_seq + param_bytes) / "
+        "hbm_bandwidth_bytes_per_s)")
+
+
+def step_time_s(param_bytes: float, kv_bytes_per_seq: float, batch: int, hbm_bandwidth_bytes_per_s: float,
+                param_count: float, peak_flops: float) -> float:
+    """Exercise 3.4 (2 points): decode step time in seconds once big batches make the matmuls compute-bound.
+
+    Attention reads every KV cache and stays bandwidth-bound:
+    batch * kv_bytes_per_seq / bandwidth. The matmuls take the longer of
+    loading the weights (param_bytes / bandwidth) and doing the arithmetic
+    (2 * batch * param_count FLOPs at peak_flops FLOP/s).
+    Example (the pop quiz, 1.97e14 bf16 FLOP/s per chip): batch 4 about
+    2.5 ms (memory-bound, as before), batch 256 about 21 ms.
+    Raises ValueError for a negative batch or a non-positive bandwidth or peak_flops.
+    """
+    raise NotImplementedError(
+        "Exercise 3.4: implement step_time_s (hint: batch * kv / bandwidth + max(2 * batch * "
+        "param_count / peak_flops, param_bytes / bandwidth))")
+
+
+def max_throughput_tokens_per_s(param_bytes: float, kv_bytes_per_seq: float, batch: int,
+                                hbm_bandwidth_bytes_per_s: float) -> float:
+    """Exercise 3.5 (2 points): upper bound on decode throughput in tokens per second.
+
+    Each step produces one token for each of the batch sequences and takes
+    at least ``min_step_time_s``: batch / min step time. More sequences
+    share each read of the weights, so throughput grows with the batch,
+    with diminishing returns once the KV caches dominate the bytes.
+    Example (LLaMA-2-13B on 8 TPU v5e, 26 GB of bf16 weights, 6.7 GB of KV
+    per sequence, 8 x 8.2e11 B/s): batch 1 about 200.6 tokens/s, batch 240
+    about 963.5.
+    Raises ValueError for a batch < 1 or a bandwidth that is not positive.
+    """
+    raise NotImplementedError(
+        "Exercise 3.5: implement max_throughput_tokens_per_s (hint: batch / min_step_time_s(...))")
+
+
+def max_batch_size(param_bytes: float, kv_bytes_per_seq: float, hbm_bytes: float) -> int:
+    """Exercise 3.6 (2 points): how many sequences' KV caches fit in memory next to the weights.
+
+    The weights take param_bytes of the hbm_bytes of memory; each sequence
+    adds kv_bytes_per_seq. Returns the largest whole batch that fits
+    (0 when the weights alone do not fit).
+    Example: LLaMA-2-13B on 8 x 16 GiB of HBM with 26 GB of weights and
+    6.7 GB of KV per sequence fits 16 sequences; with a KV cache five
+    times smaller (8 KV heads instead of 40), 83.
+    Raises ValueError if kv_bytes_per_seq is not positive.
+    """
+    raise NotImplementedError(
+        "Exercise 3.6: implement max_batch_size (hint: floor((hbm_bytes - param_bytes) / "
+        "kv_bytes_per_seq), never below 0)")
