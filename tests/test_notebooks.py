@@ -1,0 +1,141 @@
+"""The lesson notebooks: committed clean, and runnable from top to bottom.
+
+Static checks (fast) on every notebook in ``notebooks/``:
+- committed without outputs or execution counts;
+- code cells never reach ``solutions`` (or ``exercises``) directly: exercise code
+  comes only through ``toyllm.grading.load_exercise``, which honours TOYLLM_IMPL;
+- every graded exercise of the lesson has its "### Exercise N.M — title"
+  heading, followed by a cell that runs the grader for it, and no heading
+  names an exercise the grader does not know.
+
+Execution (slow): each notebook runs top to bottom in a fresh kernel of this
+interpreter, in ``notebooks/``, with TOYLLM_FAST=1 (smaller experiments, no
+skipped cells) and TOYLLM_IMPL=solutions (the model answers, so the exercise
+cells pass), and no cell may raise.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
+GRADING_DIR = REPO_ROOT / "tests" / "grading"
+NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
+CELL_TIMEOUT_S = 300
+KERNEL_NAME = "toyllm-notebook-test"
+RUN_ENV = {"TOYLLM_FAST": "1", "TOYLLM_IMPL": "solutions"}
+
+HEADING = re.compile(r"^###\s+Exercise\s+(\d+\.\d+)\s+—\s+\S", re.MULTILINE)
+DIRECT_IMPORT = re.compile(r"^\s*(?:from|import)\s+(?:solutions|exercises)\b|\bsolutions\b", re.MULTILINE)
+
+
+def read(path: Path):
+    return nbformat.read(path, as_version=4)
+
+
+def graded_exercises(lesson: int) -> set[str]:
+    """Exercise ids the grader knows for a lesson, from the markers of its graded tests."""
+    ids = set()
+    for path in GRADING_DIR.glob(f"test_ex{lesson:02d}_*.py"):
+        ids |= set(re.findall(r"""mark\.exercise\(\s*["'](\d+\.\d+)["']\s*\)""", path.read_text()))
+    return ids
+
+
+def lesson_of(path: Path) -> int | None:
+    m = re.match(r"(\d\d)_", path.name)
+    return int(m.group(1)) if m else None
+
+
+ids = [p.name for p in NOTEBOOKS]
+
+
+def test_the_first_three_lessons_exist():
+    names = {p.name for p in NOTEBOOKS}
+    assert {"01_naive_generation.ipynb", "02_kv_cache.ipynb", "03_rooflines_and_memory.ipynb"} <= names
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
+def test_committed_without_outputs(path):
+    nb = read(path)
+    nbformat.validate(nb)
+    dirty = [i for i, c in enumerate(nb.cells)
+             if c.cell_type == "code" and (c.get("outputs") or c.get("execution_count") is not None)]
+    assert not dirty, f"{path.name}: cells {dirty} have outputs or execution counts; strip them before committing"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
+def test_no_direct_use_of_solutions_or_exercises(path):
+    for i, cell in enumerate(read(path).cells):
+        if cell.cell_type == "code":
+            m = DIRECT_IMPORT.search(cell.source)
+            assert m is None, (f"{path.name}, cell {i}: {m.group(0).strip()!r}; reach exercise code only "
+                               f"through toyllm.grading.load_exercise (it honours TOYLLM_IMPL)")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
+def test_exercise_headings_match_the_grader_and_are_graded(path):
+    lesson = lesson_of(path)
+    expected = graded_exercises(lesson) if lesson is not None else set()
+    if not expected:
+        pytest.skip(f"no graded exercises for {path.name} yet")
+    cells = read(path).cells
+    found = {}
+    for i, cell in enumerate(cells):
+        if cell.cell_type == "markdown":
+            for ex in HEADING.findall(cell.source):
+                found[ex] = i
+    assert set(found) == expected, (f"{path.name}: exercise headings {sorted(found)} but the grader has "
+                                    f"{sorted(expected)}")
+    for ex, start in found.items():
+        # the grader cell of ex: before the next exercise heading, it runs grade() and names ex
+        later = sorted(i for i in found.values() if i > start)
+        end = later[0] if later else len(cells)
+        graded = [c for c in cells[start:end]
+                  if c.cell_type == "code" and "grade(" in c.source and f'"{ex}"' in c.source]
+        assert graded, f"{path.name}: exercise {ex} has no cell that runs the grader for it"
+
+
+# --------------------------------------------------------------------------- execution
+
+@pytest.fixture(scope="module")
+def kernel_spec_manager(tmp_path_factory):
+    """A kernelspec that starts ipykernel with *this* interpreter (the venv's), whatever else is installed."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    root = tmp_path_factory.mktemp("kernels")
+    spec_dir = root / KERNEL_NAME
+    spec_dir.mkdir()
+    (spec_dir / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "toyllm notebook tests", "language": "python", "env": RUN_ENV}))
+    return KernelSpecManager(kernel_dirs=[str(root)])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
+def test_notebook_runs_top_to_bottom(path, kernel_spec_manager, monkeypatch):
+    from jupyter_client.manager import KernelManager
+    from nbclient import NotebookClient
+
+    for key, value in RUN_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("MPLBACKEND", raising=False)          # let the kernel use its inline backend
+    nb = read(path)
+    km = KernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=kernel_spec_manager)
+    client = NotebookClient(nb, km=km, timeout=CELL_TIMEOUT_S, allow_errors=False,
+                            resources={"metadata": {"path": str(NOTEBOOKS_DIR)}})
+    start = time.perf_counter()
+    client.execute()                                          # raises CellExecutionError on the first failing cell
+    print(f"{path.name}: ran in {time.perf_counter() - start:.1f} s (TOYLLM_FAST=1)")
+    code_cells = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.execution_count is not None for c in code_cells), "some code cells were not executed"
+    errors = [o for c in code_cells for o in c.outputs if o.output_type == "error"]
+    assert not errors, f"{path.name}: {[(e.ename, e.evalue) for e in errors]}"

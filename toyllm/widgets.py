@@ -1,0 +1,284 @@
+"""Small interactive explorers for the notebooks (ipywidgets + matplotlib).
+
+Each explorer is a class with:
+
+- its controls as attributes (``calc.tokens``, ``explorer.batch``, ...), plain
+  ipywidgets whose ``.value`` can be set from code as well as by hand;
+- ``update()``, called by the controls' observers, which recomputes the
+  numbers (with ``toyllm.analysis`` or ``toyllm.generate``, never a private
+  copy of a formula), writes them to ``.text`` (an HTML widget) and redraws
+  ``.figure`` into an output area;
+- ``.widget``, the container to show: ``display(calc.widget)``, or just put
+  ``calc.widget`` last in a cell.
+
+The numbers a view shows are also kept as attributes (``calc.nbytes``,
+``explorer.step_time_s``, ``sampler.frequencies``), so tests and curious
+learners can check them without reading HTML.
+
+- ``KVMemoryCalculator``: KV-cache bytes from layers, KV heads, head size, tokens, precision and batch.
+- ``RooflineExplorer``: tokens per step -> matmul intensity, memory- or compute-bound, decode step time.
+- ``SamplingExplorer``: temperature / top-k / top-p -> what the sampler draws from a fixed logits vector.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import ipywidgets as W
+import matplotlib.pyplot as plt
+import torch
+from IPython import get_ipython
+from IPython.display import display
+
+from . import analysis, viz
+from .generate import sample_next_token
+from .model import get_config
+
+_SLIDER = {"continuous_update": False, "style": {"description_width": "150px"}, "layout": W.Layout(width="480px")}
+
+
+class _Explorer:
+    """Shared plumbing: an HTML text, an output area for the figure, and redrawing."""
+
+    def __init__(self, plot: bool):
+        self.plot = plot
+        self.text = W.HTML()
+        self.out = W.Output()
+        self.figure = None
+        self._holding = False
+
+    def _observe(self, *controls) -> None:
+        for c in controls:
+            c.observe(lambda change: self.update(), names="value")
+
+    def _show(self, fig) -> None:
+        """Put ``fig`` in the output area, replacing the previous one."""
+        if self.figure is not None:
+            plt.close(self.figure)
+        self.figure = fig
+        if get_ipython() is not None:   # in a plain script or a test there is nowhere to show it
+            with self.out:
+                self.out.clear_output(wait=True)
+                display(fig)
+        plt.close(fig)   # displayed as an image already; keep pyplot from showing it a second time
+
+    def update(self) -> None:   # every explorer defines its own
+        raise NotImplementedError
+
+
+def _fmt_bytes(n: float) -> str:
+    """'6,710,886,400 bytes = 6.71 GB = 6.25 GiB' (GB = 1e9 bytes, GiB = 2^30 bytes)."""
+    whole = f"{n:,.0f}" if float(n).is_integer() else f"{n:,.1f}"
+    return f"{whole} bytes = {n / analysis.GB:,.2f} GB = {n / analysis.GiB:,.2f} GiB"
+
+
+# --------------------------------------------------------------------------- KV-cache memory
+
+def _shape(cfg, n_kv_heads: int | None = None) -> dict:
+    """The three model numbers the KV cache depends on, from a ModelConfig."""
+    return {"layers": cfg.n_layers, "kv_heads": n_kv_heads or cfg.n_kv_heads, "head_dim": cfg.head_dim}
+
+
+class KVMemoryCalculator(_Explorer):
+    """KV-cache size = 2 x layers x kv_heads x head_dim x tokens x bytes_per_value x batch.
+
+    ``calc = KVMemoryCalculator(); calc.widget`` shows sliders and the result;
+    ``calc.nbytes`` is the current size in bytes. The plot draws the size
+    against the number of tokens for the chosen KV heads next to multi-query
+    attention (one KV head), with the chosen token count marked.
+    """
+
+    PRESETS = {
+        "LLaMA-2-13B (MHA, 40 KV heads)": _shape(analysis.LLAMA2_13B),
+        "LLaMA-2-13B with 8 KV heads (GQA)": _shape(analysis.LLAMA2_13B, n_kv_heads=8),
+        "Llama-7B (MHA)": _shape(analysis.LLAMA_7B),
+        "SmolLM2-135M (GQA, 3 KV heads)": _shape(get_config("smollm2-135m")),
+    }
+    PRECISIONS = [("float32 (4 bytes)", 4), ("bf16 / fp16 (2 bytes)", 2), ("int8 (1 byte)", 1),
+                  ("int4 (0.5 bytes)", 0.5)]
+
+    def __init__(self, preset: str = "LLaMA-2-13B (MHA, 40 KV heads)", tokens: int = 8192,
+                 bytes_per_value: float = 2, batch: int = 1, plot: bool = True):
+        super().__init__(plot)
+        if preset not in self.PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; choose one of {list(self.PRESETS)}")
+        shape = self.PRESETS[preset]
+        self.preset = W.Dropdown(options=list(self.PRESETS), value=preset, description="model",
+                                 style=_SLIDER["style"], layout=W.Layout(width="480px"))
+        self.layers = W.IntSlider(shape["layers"], min=1, max=128, description="layers", **_SLIDER)
+        self.kv_heads = W.IntSlider(shape["kv_heads"], min=1, max=128, description="KV heads", **_SLIDER)
+        self.head_dim = W.IntSlider(shape["head_dim"], min=8, max=256, step=8, description="head_dim", **_SLIDER)
+        self.tokens = W.IntSlider(tokens, min=1, max=131072, description="tokens per sequence", **_SLIDER)
+        self.bytes_per_value = W.Dropdown(options=self.PRECISIONS, value=bytes_per_value,
+                                          description="precision", style=_SLIDER["style"])
+        self.batch = W.IntSlider(batch, min=1, max=256, description="batch (sequences)", **_SLIDER)
+        self.preset.observe(self._apply_preset, names="value")
+        self._observe(self.layers, self.kv_heads, self.head_dim, self.tokens, self.bytes_per_value, self.batch)
+        self.widget = W.VBox([self.preset, self.layers, self.kv_heads, self.head_dim, self.tokens,
+                              self.bytes_per_value, self.batch, self.text, self.out])
+        self.update()
+
+    def _apply_preset(self, change) -> None:
+        shape = self.PRESETS[change["new"]]
+        self._holding = True            # one update for the three sliders, not three
+        try:
+            self.layers.value, self.kv_heads.value, self.head_dim.value = (
+                shape["layers"], shape["kv_heads"], shape["head_dim"])
+        finally:
+            self._holding = False
+        self.update()
+
+    def bytes_for(self, tokens: int, kv_heads: int | None = None) -> float:
+        """KV bytes of the current settings at ``tokens`` tokens (and optionally another KV-head count)."""
+        return analysis.kv_cache_bytes(self.layers.value, self.kv_heads.value if kv_heads is None else kv_heads,
+                                       self.head_dim.value, tokens, self.bytes_per_value.value, self.batch.value)
+
+    def update(self) -> None:
+        if self._holding:
+            return
+        L, K, H = self.layers.value, self.kv_heads.value, self.head_dim.value
+        T, b, B = self.tokens.value, self.bytes_per_value.value, self.batch.value
+        self.nbytes = self.bytes_for(T)
+        per_token = self.bytes_for(1) / B
+        self.text.value = (
+            f"<b>KV cache = 2 &times; {L} layers &times; {K} KV heads &times; {H} head_dim &times; {T:,} tokens "
+            f"&times; {b} bytes &times; batch {B}</b><br>= {_fmt_bytes(self.nbytes)}"
+            f"<br>{per_token:,.0f} bytes per token of one sequence")
+        if self.plot:
+            xs = [round(2 * T * i / 50) for i in range(51)]   # up to twice the chosen length
+            series = {f"{K} KV heads (this setting)": [self.bytes_for(x) for x in xs]}
+            if K != 1:
+                series["1 KV head (MQA)"] = [self.bytes_for(x, kv_heads=1) for x in xs]
+            self._show(viz.plot_kv_memory(xs, series, marker_at=T,
+                                          title=f"KV cache of {B} sequence(s), {b} bytes per value"))
+
+
+# --------------------------------------------------------------------------- roofline
+
+class RooflineExplorer(_Explorer):
+    """How many tokens per step make the matmuls compute-bound, and what a decode step costs.
+
+    The hardware: ``peak_flops`` (FLOP/s) and ``bandwidth`` (bytes/s). The
+    matmul is [B, d_model] x [d_model, d_ff] at ``bytes_per_value``; B, the
+    tokens processed per step (a decode batch, or a prefill chunk), is the
+    slider ``batch``. If ``param_bytes`` is given, the text also shows the
+    decode step time of a whole model with ``kv_bytes_per_seq`` of KV cache
+    per sequence: the memory-bound minimum (batch x KV + params) / bandwidth,
+    and, if ``param_count`` is given too, the general estimate in which the
+    matmuls may turn compute-bound (``analysis.step_time_s``).
+    """
+
+    def __init__(self, peak_flops: float, bandwidth: float, d_model: int = 4096, d_ff: int = 16384,
+                 bytes_per_value: float = 2, param_bytes: float | None = None, param_count: float | None = None,
+                 kv_bytes_per_seq: float = 0.0, batch: int = 1, max_batch: int = 1024,
+                 name: str = "hardware", plot: bool = True):
+        super().__init__(plot)
+        if peak_flops <= 0 or bandwidth <= 0:
+            raise ValueError(f"peak_flops and bandwidth must be positive, got {peak_flops} and {bandwidth}")
+        self.peak_flops, self.bandwidth, self.name = peak_flops, bandwidth, name
+        self.d_model, self.d_ff, self.bytes_per_value = d_model, d_ff, bytes_per_value
+        self.param_bytes, self.param_count, self.kv_bytes_per_seq = param_bytes, param_count, kv_bytes_per_seq
+        self.batch = W.IntSlider(batch, min=1, max=max_batch, description="tokens per step (B)", **_SLIDER)
+        self._observe(self.batch)
+        self.widget = W.VBox([self.batch, self.text, self.out])
+        self.update()
+
+    @classmethod
+    def pop_quiz(cls, batch: int = 4, plot: bool = True) -> "RooflineExplorer":
+        """The inference chapter's pop quiz: 30B int8 model, 8192-token contexts at 100 kB/token, TPU v5e 4x4."""
+        q, hw = analysis.POP_QUIZ, analysis.POP_QUIZ["hardware"]
+        # The quiz gives no layer shapes; an 8192 x 32768 matmul stands in for the model's big ones.
+        return cls(hw.total_flops, hw.total_bandwidth_bytes_per_s, d_model=8192, d_ff=32768, bytes_per_value=1,
+                   param_bytes=q["param_bytes"], param_count=q["param_count"],
+                   kv_bytes_per_seq=q["kv_bytes_per_token"] * q["context"], batch=batch, name=hw.name, plot=plot)
+
+    def update(self) -> None:
+        B, D, F = self.batch.value, self.d_model, self.d_ff
+        self.ridge = analysis.critical_intensity(self.peak_flops, self.bandwidth)
+        self.intensity = analysis.matmul_intensity(B, D, F, self.bytes_per_value)
+        self.compute_bound = self.intensity >= self.ridge
+        flops = analysis.matmul_flops(B, D, F)
+        moved = analysis.matmul_bytes(B, D, F, self.bytes_per_value)
+        self.matmul_time_s = analysis.roofline_time_s(flops, moved, self.peak_flops, self.bandwidth)
+        verdict = "compute-bound" if self.compute_bound else "memory-bound"
+        lines = [f"<b>{self.name}</b>: {self.peak_flops:.3g} FLOP/s, {self.bandwidth:.3g} bytes/s "
+                 f"&rarr; ridge at {self.ridge:.1f} FLOP/byte",
+                 f"matmul [{B}, {D}] &times; [{D}, {F}], {self.bytes_per_value} byte(s) per value: "
+                 f"intensity {self.intensity:.1f} FLOP/byte &rarr; <b>{verdict}</b>, "
+                 f"at least {self.matmul_time_s * 1e6:,.1f} &micro;s"]
+        self.step_time_s = self.min_step_time_s = self.throughput_tokens_per_s = None
+        if self.param_bytes is not None:
+            self.min_step_time_s = analysis.min_step_time_s(self.param_bytes, self.kv_bytes_per_seq, B, self.bandwidth)
+            self.step_time_s = self.min_step_time_s
+            if self.param_count is not None:
+                self.step_time_s = analysis.step_time_s(self.param_bytes, self.kv_bytes_per_seq, B, self.bandwidth,
+                                                        self.param_count, self.peak_flops)
+            self.throughput_tokens_per_s = B / self.step_time_s
+            lines.append(f"decode step of the model for {B} sequence(s): memory-bound minimum "
+                         f"{self.min_step_time_s * 1e3:,.2f} ms; with compute-bound matmuls "
+                         f"{self.step_time_s * 1e3:,.2f} ms &rarr; at most "
+                         f"{self.throughput_tokens_per_s:,.0f} tokens/s")
+        self.text.value = "<br>".join(lines)
+        if self.plot:
+            attainable = min(self.peak_flops, self.bandwidth * self.intensity)
+            self._show(viz.plot_roofline(self.peak_flops, self.bandwidth,
+                                         {f"matmul, B={B}": (self.intensity, attainable)},
+                                         title=f"Roofline of {self.name}"))
+
+
+# --------------------------------------------------------------------------- sampling
+
+class SamplingExplorer(_Explorer):
+    """What ``toyllm.generate.sample_next_token`` draws from one logits vector.
+
+    The bars are the frequencies of each candidate in ``draws`` calls of the
+    real sampler (seeded, so the same settings always give the same bars),
+    next to the plain softmax at temperature 1 for comparison.
+    temperature 0 means greedy; top_k 0 and top_p 1 mean "no cut".
+    """
+
+    def __init__(self, logits: torch.Tensor | Sequence[float], labels: Sequence[str] | None = None,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, draws: int = 2000,
+                 seed: int = 0, plot: bool = True):
+        super().__init__(plot)
+        self.logits = torch.as_tensor(logits, dtype=torch.float32).flatten()
+        if self.logits.numel() < 2:
+            raise ValueError(f"give at least 2 logits, got {self.logits.numel()}")
+        n = self.logits.numel()
+        self.labels = [str(i) for i in range(n)] if labels is None else [str(s) for s in labels]
+        if len(self.labels) != n:
+            raise ValueError(f"{len(self.labels)} labels for {n} logits: give one label per logit")
+        if draws < 1:
+            raise ValueError(f"draws must be at least 1, got {draws}")
+        self.draws, self.seed = draws, seed
+        self.softmax = torch.softmax(self.logits, dim=-1).tolist()
+        self.temperature = W.FloatSlider(temperature, min=0.0, max=2.0, step=0.05, description="temperature", **_SLIDER)
+        self.top_k = W.IntSlider(top_k, min=0, max=n, description="top_k (0 = off)", **_SLIDER)
+        self.top_p = W.FloatSlider(top_p, min=0.05, max=1.0, step=0.05, description="top_p (1 = off)", **_SLIDER)
+        self._observe(self.temperature, self.top_k, self.top_p)
+        self.widget = W.VBox([self.temperature, self.top_k, self.top_p, self.text, self.out])
+        self.update()
+
+    def settings(self) -> dict:
+        """The current controls as ``sample_next_token`` keyword arguments."""
+        return {"temperature": float(self.temperature.value), "top_k": self.top_k.value or None,
+                "top_p": None if self.top_p.value >= 1.0 else float(self.top_p.value)}
+
+    def update(self) -> None:
+        kw = self.settings()
+        gen = torch.Generator().manual_seed(self.seed)
+        counts = [0] * self.logits.numel()
+        for _ in range(self.draws):
+            counts[sample_next_token(self.logits, generator=gen, **kw)] += 1
+        self.frequencies = [c / self.draws for c in counts]
+        kept = sum(c > 0 for c in counts)
+        top = max(range(len(counts)), key=counts.__getitem__)
+        self.text.value = (f"temperature={kw['temperature']}, top_k={kw['top_k']}, top_p={kw['top_p']}: "
+                           f"{kept} of {len(counts)} candidates were ever drawn in {self.draws:,} draws; "
+                           f"most frequent: {self.labels[top]!r} ({self.frequencies[top]:.1%})")
+        if self.plot:
+            fig, ax = plt.subplots(figsize=(8, 3.4))
+            ax.plot(range(len(self.softmax)), self.softmax, "k_", ms=14, mew=2, label="softmax at temperature 1")
+            viz.plot_distribution(self.labels, self.frequencies, ax=ax, highlight=top,
+                                  title=f"frequencies in {self.draws:,} draws of sample_next_token")
+            ax.legend(fontsize=8)
+            self._show(fig)
