@@ -103,7 +103,7 @@ def dense_attention(q, k, v, q_pos, k_pos):
     products per rank), so every method in a comparison uses it by default.
     """
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])           # (B, H, T, S)
-    scores = scores.masked_fill(~causal_mask(q_pos, k_pos), float("-inf"))
+    scores.masked_fill_(~causal_mask(q_pos, k_pos), float("-inf"))       # in place: scores can be GBs
     return torch.softmax(scores, dim=-1) @ v                             # (B, H, T, D)
 
 
