@@ -337,3 +337,17 @@ def test_table_errors():
         PartitionTable.from_dict({"entries": []})
     with pytest.raises(ValueError, match="at least 1"):
         PartitionTable(0)
+
+
+def test_layer_costs_for_the_paper_example_on_the_tiny_model():
+    from toyllm.analysis import prefill_flops
+    from toyllm.model import get_config
+    from toyllm.partition import layer_costs
+
+    cfg = get_config("tiny")                     # d 64, 4 heads, 2 kv heads, head_dim 16, ffn 128
+    kvr = layer_costs(cfg, [4, 3, 2], "kvr")
+    assert [r["dot_products"] for r in kvr] == [16, 21, 18]
+    assert [r["bytes_sent"] for r in kvr] == [8 * 32 * 4, 14 * 32 * 4, 0]   # rows * (2 kv heads * 16) * 4 bytes
+    # one process over all 9 tokens: every layer's FLOPs add up to the whole forward pass (head excluded)
+    single = layer_costs(cfg, [9], "kvr")[0]
+    assert cfg.n_layers * single["flops"] == prefill_flops(cfg, 9, include_head=False)
