@@ -45,6 +45,16 @@ def _new_axes(ax=None, figsize=(7, 4)):
     return fig, ax
 
 
+def _finish(fig, ax, title: str) -> Figure:
+    """The common last touches of a line plot: zero-based y axis, title, light grid, legend."""
+    ax.set_ylim(bottom=0)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
 def _same_length(name_a: str, a: Sequence, name_b: str, b: Sequence) -> None:
     if len(a) != len(b):
         raise ValueError(f"{name_b} has {len(b)} values but {name_a} has {len(a)}; give one per entry of {name_a}")
@@ -69,12 +79,7 @@ def plot_step_times(lengths: Sequence[int], naive_s: Sequence[float], cached_s: 
                 label="cached: one new token per step")
     ax.set_xlabel("sequence length at this step (tokens)")
     ax.set_ylabel("time of the step (ms)")
-    ax.set_ylim(bottom=0)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, title)
 
 
 # --------------------------------------------------------------------------- lesson 02: KV-cache memory
@@ -101,12 +106,7 @@ def plot_kv_memory(tokens: Sequence[int], series: Mapping[str, Sequence[float]],
         ax.axvline(marker_at, ls=":", color="grey")
     ax.set_xlabel("tokens in the cache")
     ax.set_ylabel("KV cache (GB)")
-    ax.set_ylim(bottom=0)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, title)
 
 
 # --------------------------------------------------------------------------- lesson 03: roofline
