@@ -204,6 +204,18 @@ def test_a_partial_submission_gets_partial_credit():
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+def test_a_single_exercise_can_be_graded_on_its_own():
+    report = grade(SUBMISSIONS / "partial", only="1.2")
+    assert {t.exercise for t in report.tests} == {"1.2"}
+    assert report.by_exercise()["1.2"] == (6, 8)        # 7 tests; the two top-p ones fail
+    mixed = grade(SUBMISSIONS / "partial", only=["1.1", "ex01"])   # a whole lesson wins over one of its exercises
+    assert {t.exercise for t in mixed.tests} == {"1.1", "1.2", "1.3"}
+    with pytest.raises(ValueError, match="exercises like '1.2'"):
+        grade("solutions", only="1.x")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_pytest_impl_option_overrides_the_environment():
     env = dict(os.environ, TOYLLM_IMPL="solutions")
     proc = subprocess.run([sys.executable, "-m", "pytest", "tests/grading/test_ex03_rooflines.py", "-q",

@@ -75,6 +75,7 @@ NAMED_IMPLS = {"exercises": EXERCISES_DIR, "solutions": SOLUTIONS_DIR}
 # Set by the grader in each pytest subprocess; the plugin below reads them.
 _LOG_ENV = "TOYLLM_GRADE_LOG"          # file the plugin appends one JSON line per event to
 _LESSON_ENV = "TOYLLM_GRADE_LESSON"    # run only tests of this lesson (an int)
+_EXERCISES_ENV = "TOYLLM_GRADE_EXERCISES"   # and, if set, only these exercises ("1.2,1.3")
 
 _EXERCISE_ID = re.compile(r"^(\d+)\.(\d+)$")
 
@@ -326,13 +327,14 @@ def pytest_collection_modifyitems(session, config, items):
     if not os.environ.get(_LOG_ENV):
         return
     lesson = os.environ.get(_LESSON_ENV)
+    exercises = set(filter(None, os.environ.get(_EXERCISES_ENV, "").split(",")))
     selected, deselected, records, problems = [], [], [], []
     for item in items:
         ex, pts = exercise_of(item), points_of(item)
         if ex is None or not _EXERCISE_ID.match(ex) or not isinstance(pts, (int, float)) or pts <= 0:
             problems.append(item.nodeid)
             continue
-        keep = lesson is None or int(ex.split(".")[0]) == int(lesson)
+        keep = (lesson is None or int(ex.split(".")[0]) == int(lesson)) and (not exercises or ex in exercises)
         (selected if keep else deselected).append(item)
         records.append({"nodeid": item.nodeid, "name": item.name, "path": str(item.path),
                         "exercise": ex, "points": pts, "selected": keep})
@@ -478,10 +480,10 @@ def _exercise_key(ex: str) -> tuple[int, int]:
 
 
 def _lesson_of(name: str | int) -> int:
-    """1 for "ex01", "ex01_naive_generation", "01", "1" or 1."""
-    m = re.fullmatch(r"(?:ex)?(\d+)(?:_\w+)?", str(name).strip())
+    """1 for "ex01", "ex01_naive_generation", "01", "1", 1 or an exercise id like "1.2"."""
+    m = re.fullmatch(r"(?:ex)?(\d+)(?:_\w+|\.\d+)?", str(name).strip())
     if m is None:
-        raise ValueError(f"--only takes lessons like 'ex01' or '1', got {name!r}")
+        raise ValueError(f"--only takes lessons like 'ex01' or exercises like '1.2', got {name!r}")
     return int(m[1])
 
 
@@ -498,7 +500,8 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
     """Run the graded tests against ``impl`` and score them.
 
     impl: "exercises", "solutions" or a folder with a student's exNN_*.py files.
-    only: lessons to grade, e.g. "ex01", "ex01,ex03" or ["ex01", "ex03"] (default: all).
+    only: lessons or single exercises to grade, e.g. "ex01", "ex01,ex03", "1.2" or
+      ["ex01", "3.4"] (default: all). An exercise id grades just that exercise.
     extra_tests: a folder of the instructor's hidden tests, marked like the
       others; they run in the subprocess of the lesson their exercise ids name.
     results_path: where to write the Gradescope results.json (None: don't).
@@ -518,10 +521,14 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
         if not extra_dir.is_dir():
             raise ValueError(f"extra tests folder {str(extra_tests)!r} does not exist")
     local = _lesson_files(GRADING_TESTS_DIR)
-    wanted = None
+    wanted, only_exercises = None, {}
     if only is not None:
         names = str(only).split(",") if isinstance(only, (str, int)) else only
         wanted = {_lesson_of(x) for x in names}
+        exercise_ids = {str(x).strip() for x in names if _EXERCISE_ID.match(str(x).strip())}
+        # a lesson asked for as a whole is graded whole, even if one of its exercises is also named
+        whole = {_lesson_of(x) for x in names if not _EXERCISE_ID.match(str(x).strip())}
+        only_exercises = {n: {e for e in exercise_ids if _lesson_of(e) == n} for n in wanted - whole}
     pending = sorted(set(local) | (set(_lesson_files(extra_dir)) if extra_dir else set()))
     if wanted is not None:
         unknown = wanted - set(pending)
@@ -539,7 +546,8 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
         while pending:
             lesson = pending.pop(0)
             files = [local[lesson]] if lesson in local else []
-            results, seen_lessons = _run_lesson(lesson, files, extra_dir, impl_env, per_test_timeout_s, Path(tmp))
+            results, seen_lessons = _run_lesson(lesson, files, extra_dir, impl_env, per_test_timeout_s, Path(tmp),
+                                                only_exercises.get(lesson))
             done.add(lesson)
             report.tests.extend(results)
             # Hidden tests may name a lesson without a local test file: give it its own run too.
@@ -557,7 +565,7 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
 
 
 def _run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env: str,
-                timeout_s: float, tmp: Path) -> tuple[list[TestResult], set[int]]:
+                timeout_s: float, tmp: Path, exercises: set[str] | None = None) -> tuple[list[TestResult], set[int]]:
     """One pytest subprocess for one lesson; returns its results and every lesson its collection saw."""
     log = tmp / f"ex{lesson:02d}.jsonl"
     out = tmp / f"ex{lesson:02d}.out"
@@ -565,7 +573,7 @@ def _run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env
            "-p", "toyllm.grading", "-p", "no:cacheprovider", f"--timeout={timeout_s:g}", "-q", "--no-header",
            "--import-mode=importlib", f"--rootdir={REPO_ROOT}", "-o", "console_output_style=classic"]
     env = dict(os.environ, **{IMPL_ENV: impl_env, _LOG_ENV: str(log), _LESSON_ENV: str(lesson),
-                              "PYTHONHASHSEED": "0"})
+                              _EXERCISES_ENV: ",".join(sorted(exercises or ())), "PYTHONHASHSEED": "0"})
     with open(out, "wb") as sink:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
@@ -672,8 +680,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of the ``grade`` command (shared by ``python -m toyllm grade``)."""
     parser.add_argument("--impl", default="exercises", metavar="exercises|solutions|DIR",
                         help="implementation to grade: the exercises, the model answers or a student's folder")
-    parser.add_argument("--only", action="append", metavar="exNN",
-                        help="grade only this lesson (repeatable, or comma-separated), e.g. --only ex01")
+    parser.add_argument("--only", action="append", metavar="exNN|N.M",
+                        help="grade only this lesson or exercise (repeatable, or comma-separated), "
+                             "e.g. --only ex01 or --only 1.2")
     parser.add_argument("--extra-tests", default=None, metavar="DIR",
                         help="folder of additional (hidden) graded tests, marked like tests/grading")
     parser.add_argument("--results", default="results.json", metavar="PATH",
