@@ -228,13 +228,15 @@ def bench_search(quick: bool = False) -> str:
 
     cfg, spec = get_config("bench"), ModelSpec("bench")
     repeats = 1 if quick else 3
-    cm = CostModel.calibrate(cfg, contexts=(512, 1024, 2048) if not quick else (256, 512), repeats=3)
+    warm = 1 if quick else 2      # as in the prefill section: a second warm-up steadies the timed runs
+    cm = CostModel.calibrate(cfg, contexts=(1024, 2048, 4096) if not quick else (256, 512), repeats=3)
     lines = ["## Partition search: cost model, searches and the lookup table (p = 2)", "",
              f"Cost model {cm.label}: qkv {cm.qkv_s_per_token * 1e6:.2f} us/token, after-attention "
              f"{cm.mlp_s_per_token * 1e6:.2f} us/token, attention {cm.attn_s_per_dot * 1e9:.3f} ns per query-key "
              f"pair, {cm.layer_overhead_s * 1e3:.3f} ms per layer, per layer and rank; link "
              f"{cm.link_bandwidth_bytes_per_s / 1e9:g} GB/s + {cm.link_latency_s * 1e6:g} us (assumed). Measured "
-             f"TTFT: bench preset, two processes with one thread each, median of {repeats} runs after a warm-up.", ""]
+             f"TTFT: bench preset, two processes with one thread each, median of {repeats} runs after {warm} "
+             "warm-up run(s).", ""]
     contexts = (1024, 2048) if quick else (2048, 4096, 8192)
     lines += ["### Simulated vs measured TTFT", "", "| context | method | partition | simulated (s) | measured (s) | "
               "error |", "|---|---|---|---|---|---|"]
@@ -245,7 +247,7 @@ def bench_search(quick: bool = False) -> str:
             for method, ratio in [("tsp", 0.5), ("kvr", 0.5), ("kvr", 0.6), ("kvr", 0.7)]:
                 chunks = partition_from_ratios(C, [ratio, 1 - ratio])
                 sim = simulate_prefill(cfg, chunks, method, cm, record_events=False).ttft_s
-                real = measured_cost(spec, ids, pool, method, repeat=repeats)(chunks)
+                real = measured_cost(spec, ids, pool, method, repeat=repeats, warmup=warm)(chunks)
                 errors.append(abs(sim - real) / real)
                 lines.append(f"| {C} | {method.upper()} | {chunks} | {sim:.3f} | {real:.3f} | {(sim - real) / real:+.1%} |")
                 print(lines[-1], flush=True)
@@ -261,7 +263,7 @@ def bench_search(quick: bool = False) -> str:
     for C in sorted({*table_contexts, target}):
         ids = _random_ids(C)
         with WorkerPool(2, threads_per_rank=1, timeout_s=3600) as pool:
-            measure = measured_cost(spec, ids, pool, repeat=repeats)
+            measure = measured_cost(spec, ids, pool, repeat=repeats, warmup=warm)
             real = search_boundary_1d(measure, C, min_stride=max(1, C // 64), progress=True)
             lines.append(f"| {C} | measured | {real.partition} | {real.evaluations} | {real.cost_s:.3f} |")
             print(lines[-1], flush=True)
@@ -274,7 +276,7 @@ def bench_search(quick: bool = False) -> str:
     # KVR-P: predict the target from the two neighbours, then time it side by side with KVR-S.
     predicted = table.predict(target)
     with WorkerPool(2, threads_per_rank=1, timeout_s=3600) as pool:
-        measure = measured_cost(spec, _random_ids(target), pool, repeat=repeats)
+        measure = measured_cost(spec, _random_ids(target), pool, repeat=repeats, warmup=warm)
         measure(kvr_s)                                   # settle the fresh processes first
         rounds = [(measure(predicted), measure(kvr_s)) for _ in range(3)]   # alternate, so drift hits both
         t_p, t_s = (statistics.median(r[i] for r in rounds) for i in (0, 1))
