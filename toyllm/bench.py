@@ -120,6 +120,13 @@ def _random_ids(n: int, vocab: int = 256, seed: int = 0) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def _settle(pool, spec, ids) -> None:
+    """Untimed TSP runs on fresh processes: their first runs are often slow while this VM maps their memory."""
+    from .parallel import parallel_prefill
+
+    parallel_prefill(spec, ids, "tsp", pool.world_size, repeat=1, warmup=2, pool=pool)
+
+
 def _single_s(spec, ids, threads: int, repeats: int, warmup: int = 1) -> float:
     """One-process prefill TTFT, run in a worker process of its own.
 
@@ -162,6 +169,7 @@ def bench_prefill(quick: bool = False) -> str:
         one = _single_s(spec, ids, 1, repeats, warm)
         two = _single_s(spec, ids, 2, repeats, warm)
         with WorkerPool(2, threads_per_rank=1, timeout_s=3600) as pool:   # fresh processes per context
+            _settle(pool, spec, ids)
             tsp = parallel_prefill(spec, ids, "tsp", 2, repeat=repeats, warmup=warm, pool=pool).ttft_s
             kvr_e = parallel_prefill(spec, ids, "kvr", 2, repeat=repeats, warmup=warm, pool=pool).ttft_s
             swept = {r: parallel_prefill(spec, ids, "kvr", 2, partition_from_ratios(C, [r, 1 - r]),
@@ -202,6 +210,7 @@ def _sdpa_rows(contexts, repeats: int, warm: int, dense_rows: list[dict]) -> lis
         ids = _random_ids(C)
         two = _single_s(spec, ids, 2, repeats, warm)
         with WorkerPool(2, threads_per_rank=1, timeout_s=3600) as pool:
+            _settle(pool, spec, ids)
             tsp = parallel_prefill(spec, ids, "tsp", 2, repeat=repeats, warmup=warm, pool=pool).ttft_s
             kvr = parallel_prefill(spec, ids, "kvr", 2, best[C], repeat=repeats, warmup=warm, pool=pool).ttft_s
         lines.append(f"| {C} | {two:.3f} | {tsp:.3f} | {kvr:.3f} {best[C]} | {tsp / kvr:.2f}x | {two / kvr:.2f}x |")
@@ -229,7 +238,9 @@ def bench_search(quick: bool = False) -> str:
     cfg, spec = get_config("bench"), ModelSpec("bench")
     repeats = 1 if quick else 3
     warm = 1 if quick else 2      # as in the prefill section: a second warm-up steadies the timed runs
-    cm = CostModel.calibrate(cfg, contexts=(1024, 2048, 4096) if not quick else (256, 512), repeats=3)
+    sizes = (1024, 2048, 4096) if not quick else (256, 512)
+    CostModel.calibrate(cfg, contexts=sizes, repeats=1)        # untimed: a fresh process runs slow at first
+    cm = CostModel.calibrate(cfg, contexts=sizes, repeats=3)
     lines = ["## Partition search: cost model, searches and the lookup table (p = 2)", "",
              f"Cost model {cm.label}: qkv {cm.qkv_s_per_token * 1e6:.2f} us/token, after-attention "
              f"{cm.mlp_s_per_token * 1e6:.2f} us/token, attention {cm.attn_s_per_dot * 1e9:.3f} ns per query-key "
@@ -244,6 +255,7 @@ def bench_search(quick: bool = False) -> str:
     for C in contexts:
         ids = _random_ids(C)
         with WorkerPool(2, threads_per_rank=1, timeout_s=3600) as pool:     # fresh processes per context
+            _settle(pool, spec, ids)
             for method, ratio in [("tsp", 0.5), ("kvr", 0.5), ("kvr", 0.6), ("kvr", 0.7)]:
                 chunks = partition_from_ratios(C, [ratio, 1 - ratio])
                 sim = simulate_prefill(cfg, chunks, method, cm, record_events=False).ttft_s
@@ -263,6 +275,7 @@ def bench_search(quick: bool = False) -> str:
     for C in sorted({*table_contexts, target}):
         ids = _random_ids(C)
         with WorkerPool(2, threads_per_rank=1, timeout_s=3600) as pool:
+            _settle(pool, spec, ids)
             measure = measured_cost(spec, ids, pool, repeat=repeats, warmup=warm)
             real = search_boundary_1d(measure, C, min_stride=max(1, C // 64), progress=True)
             lines.append(f"| {C} | measured | {real.partition} | {real.evaluations} | {real.cost_s:.3f} |")
@@ -276,8 +289,8 @@ def bench_search(quick: bool = False) -> str:
     # KVR-P: predict the target from the two neighbours, then time it side by side with KVR-S.
     predicted = table.predict(target)
     with WorkerPool(2, threads_per_rank=1, timeout_s=3600) as pool:
+        _settle(pool, spec, _random_ids(target))
         measure = measured_cost(spec, _random_ids(target), pool, repeat=repeats, warmup=warm)
-        measure(kvr_s)                                   # settle the fresh processes first
         rounds = [(measure(predicted), measure(kvr_s)) for _ in range(3)]   # alternate, so drift hits both
         t_p, t_s = (statistics.median(r[i] for r in rounds) for i in (0, 1))
     lines.append(f"| {target} | KVR-P (table {list(table_contexts)}) | {predicted} | 0 | {t_p:.3f} |")
