@@ -4,7 +4,7 @@ import pytest
 from tokenizers import pre_tokenizers
 
 from toyllm.tokenizer import ByteTokenizer, GGUFTokenizer
-from toyllm.weights import find_smollm2_gguf, load_tokenizer
+from toyllm.weights import load_tokenizer
 
 USER_PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -86,11 +86,7 @@ def test_unknown_pre_tokenizer_rejected():
 # --------------------------------------------------------------------------- SmolLM2's tokenizer
 
 @pytest.fixture(scope="module")
-def smol():
-    try:
-        find_smollm2_gguf()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+def smol(smollm2_gguf):
     return load_tokenizer("smollm2-135m")
 
 

@@ -49,11 +49,7 @@ def test_missing_package_names_the_install_command(monkeypatch, tmp_path):
 # --------------------------------------------------------------------------- SmolLM2-135M-Instruct
 
 @pytest.fixture(scope="module")
-def smol():
-    try:
-        find_smollm2_gguf()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+def smol(smollm2_gguf):
     return load_model("smollm2-135m")
 
 

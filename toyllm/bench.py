@@ -51,8 +51,9 @@ def naive_vs_cached(model, prompt_len: int = 64, new_tokens: int = 256, repeats:
     """Time a greedy generation both ways on the same random prompt (seconds, medians)."""
     from .generate import generate
 
-    prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(seed))
-    ids = prompt.tolist()
+    from .parallel import random_prompt
+
+    ids = random_prompt(prompt_len, model.config.vocab_size, seed)
     outs = {}
 
     def run(method):
@@ -117,7 +118,9 @@ def bench_generation(quick: bool = False) -> str:
 
 
 def _random_ids(n: int, vocab: int = 256, seed: int = 0) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    from .parallel import random_prompt
+
+    return random_prompt(n, vocab, seed)
 
 
 def _settle(pool, spec, ids) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -160,7 +161,7 @@ def _int_list(text: str) -> list[int]:
 
 def cmd_prefill(args) -> int:
     from .launch import launched_by_torchrun
-    from .parallel import LinkModel, ModelSpec, parallel_prefill, single_prefill, torchrun_main
+    from .parallel import LinkModel, ModelSpec, parallel_prefill, random_prompt, single_prefill, torchrun_main
     from .partition import PartitionTable
 
     spec = ModelSpec(args.model, attention=args.attention)
@@ -169,7 +170,7 @@ def cmd_prefill(args) -> int:
         raise ValueError(f"--context must be at least 1 token, got {args.context}")
     if args.repeat < 1:
         raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
-    ids = torch.randint(0, vocab, (args.context,), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    ids = random_prompt(args.context, vocab, args.seed)
     p = 1 if args.method == "single" else args.world_size
     partition = args.partition
     if args.partition_table:
@@ -183,7 +184,7 @@ def cmd_prefill(args) -> int:
     if launched_by_torchrun():
         from .parallel import check_prefill_args
 
-        chunks = check_prefill_args(args.context, args.method, int(__import__("os").environ["WORLD_SIZE"]), partition)
+        chunks = check_prefill_args(args.context, args.method, int(os.environ["WORLD_SIZE"]), partition)
         result = torchrun_main(spec, ids, args.method, chunks, args.overlap, link, args.repeat, 1,
                                args.backend, args.timeout)
         if result is None:      # not rank 0: rank 0 reports
@@ -243,9 +244,9 @@ def cmd_search(args) -> int:
             if C < p:
                 raise ValueError(f"context {C} is shorter than the world size {p}")
             if pool is not None:
-                from .parallel import ModelSpec, measured_cost
+                from .parallel import ModelSpec, measured_cost, random_prompt
 
-                ids = torch.randint(0, cfg.vocab_size, (C,), generator=torch.Generator().manual_seed(0)).tolist()
+                ids = random_prompt(C, cfg.vocab_size)
                 cost = measured_cost(ModelSpec(args.model), ids, pool, repeat=args.repeat)
             else:
                 cost = ttft_cost(cfg, cost_model, "kvr")

@@ -121,11 +121,15 @@ class PrefillResult:
     max_abs_logit_diff: float | None = None
 
     def to_json(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k not in ("logits", "kv_cache")}
-        return d
+        return {k: v for k, v in asdict(self).items() if k not in ("logits", "kv_cache")}
 
 
 # --------------------------------------------------------------------------- validation (before any process starts)
+
+def random_prompt(tokens: int, vocab_size: int, seed: int = 0) -> list[int]:
+    """``tokens`` random token ids below ``vocab_size``, the same for the same seed (benchmarks, CLI)."""
+    return torch.randint(0, vocab_size, (tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
+
 
 def check_prefill_args(context: int, method: str, world_size: int, partition=None) -> list[int]:
     """Validate a request; return the partition (chunk sizes, tokens per rank) to use."""
@@ -152,7 +156,7 @@ def _layer_kv_bytes(k: torch.Tensor) -> int:
     return 2 * k.numel() * k.element_size()
 
 
-def _tsp_layers(ctx, model, x, q_pos, cos, sin, chunks, tl, link, rng):
+def _tsp_layers(model, x, q_pos, cos, sin, chunks, tl, link, rng):
     """TSP: every layer all-gathers K and V; returns x and this rank's full-context cache."""
     cache = []
     cmax = max(chunks)
@@ -225,7 +229,7 @@ def _kvr_layers(ctx, model, x, q_pos, cos, sin, chunks, tl, link, rng, overlap):
                 dist.send(stamp_out, rank + 1)
                 dist.send(kv, rank + 1)
                 if link is not None:   # a blocking send holds the sender for the whole transfer
-                    time.sleep(link.transfer_s(kv.numel() * kv.element_size(), rank, rank + 1, random.Random(0)))
+                    time.sleep(link.transfer_s(kv.numel() * kv.element_size(), rank, rank + 1, rng))
                 tl.add("send", t0, tl.now(), i)
         with tl.span("compute", i, "attention+mlp"):
             k_pos = torch.arange(s + chunks[rank])
@@ -274,7 +278,7 @@ def prefill_rank(ctx: RankContext, spec: ModelSpec, ids: list[int], method: str,
         with tl.span("compute", None, "embed"):
             x = model.embed(ids_t)
         if method == "tsp":
-            x, cache = _tsp_layers(ctx, model, x, q_pos, cos, sin, chunks, tl, link, rng)
+            x, cache = _tsp_layers(model, x, q_pos, cos, sin, chunks, tl, link, rng)
         else:
             x, cache = _kvr_layers(ctx, model, x, q_pos, cos, sin, chunks, tl, link, rng, overlap)
         logits = None
@@ -389,7 +393,7 @@ def torchrun_main(spec: ModelSpec, ids, method, chunks, overlap, link, repeat, w
 def demo_prefill(context: int = 2048, spec: ModelSpec | None = None) -> None:
     """The demo's last part: one process vs TSP vs KVR on 2 processes, same first token."""
     spec = spec or ModelSpec("bench")
-    ids = torch.randint(0, 256, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    ids = random_prompt(context, 256)
     single = parallel_prefill(spec, ids, "single", 1, repeat=2)
     with WorkerPool(2, threads_per_rank=1) as pool:
         tsp = parallel_prefill(spec, ids, "tsp", 2, repeat=2, pool=pool)
