@@ -10,6 +10,7 @@ each rank all-reduces rank + 1 and prints the sum.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -67,7 +68,10 @@ def main() -> None:
     try:
         t = torch.tensor([float(ctx.rank + 1)])
         dist.all_reduce(t)
-        print(f"rank {ctx.rank}/{ctx.world_size} backend={ctx.backend} sum={t.item():g}", flush=True)
+        # One write per line: two ranks share the pipe, and with unbuffered output a
+        # print() of text and newline as two writes can interleave with the other rank's.
+        sys.stdout.write(f"rank {ctx.rank}/{ctx.world_size} backend={ctx.backend} sum={t.item():g}\n")
+        sys.stdout.flush()
     finally:
         dist.destroy_process_group()
 
