@@ -139,3 +139,40 @@ def test_notebook_runs_top_to_bottom(path, kernel_spec_manager, monkeypatch):
     assert all(c.execution_count is not None for c in code_cells), "some code cells were not executed"
     errors = [o for c in code_cells for o in c.outputs if o.output_type == "error"]
     assert not errors, f"{path.name}: {[(e.ename, e.evalue) for e in errors]}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_parallel_prefill_runs_from_a_jupyter_kernel(kernel_spec_manager):
+    """Inside a kernel ``__main__`` is not a file: spawn must still start workers, and a failing rank must
+    surface in the cell with its traceback rather than hang the kernel."""
+    from jupyter_client.manager import KernelManager
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell(
+            "import torch\n"
+            "from toyllm.parallel import ModelSpec, parallel_prefill, single_prefill\n"
+            "ids = list(range(3, 40))\n"
+            "spec = ModelSpec('tiny')\n"
+            "ref, _ = single_prefill(spec.build(), ids)\n"
+            "kvr = parallel_prefill(spec, ids, 'kvr', 2, [25, 12], timeout_s=120)\n"
+            "diff = (kvr.logits - ref).abs().max().item()\n"
+            "assert diff < 1e-4, diff\n"
+            "print('kvr ok', kvr.first_token, diff)"),
+        nbformat.v4.new_code_cell(
+            "from toyllm.launch import WorkerError\n"
+            "bad = ModelSpec('tiny', overrides=(('n_kv_heads', 3),))\n"
+            "try:\n"
+            "    parallel_prefill(bad, ids, 'kvr', 2, timeout_s=120)\n"
+            "except WorkerError as err:\n"
+            "    assert 'Traceback' in err.traceback and 'multiple of n_kv_heads' in str(err), str(err)\n"
+            "    print('failure reported')\n"
+            "else:\n"
+            "    raise AssertionError('the failing rank went unnoticed')"),
+    ])
+    km = KernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=kernel_spec_manager)
+    NotebookClient(nb, km=km, timeout=240, allow_errors=False,
+                   resources={"metadata": {"path": str(NOTEBOOKS_DIR)}}).execute()
+    printed = ["".join(o.get("text", "") for o in c.outputs) for c in nb.cells]
+    assert printed[0].startswith("kvr ok") and printed[1].strip() == "failure reported", printed
