@@ -3,19 +3,16 @@ import pytest
 import torch
 
 from toyllm import StaticKVCache, build_model, generate, get_config, sample_next_token
+from toyllm.generate import random_prompt
 
 LOGIT_ATOL = 1e-4   # float32; cached attention sums over the same keys in another order
-
-
-def _prompt(n, vocab=256, seed=0):
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.mark.parametrize("n_kv_heads", [2, 1])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_naive_and_cached_agree_on_tiny(n_kv_heads, cache):
     model = build_model(get_config("tiny").with_(n_kv_heads=n_kv_heads))
-    ids = _prompt(64)
+    ids = random_prompt(64, 256)
     naive = generate(model, ids, 40, method="naive", return_logits=True)
     cached = generate(model, ids, 40, method="cached", cache=cache, return_logits=True)
     assert naive.output_ids == cached.output_ids
@@ -25,7 +22,7 @@ def test_naive_and_cached_agree_on_tiny(n_kv_heads, cache):
 
 def test_tiny_fits_a_64_token_prompt_and_256_new_tokens():
     model = build_model("tiny")
-    out = generate(model, _prompt(64), 256, cache="static")
+    out = generate(model, random_prompt(64, 256), 256, cache="static")
     assert len(out.output_ids) == 256 and out.ttft_s > 0 and out.tpot_s > 0
 
 
@@ -43,9 +40,9 @@ def test_naive_and_cached_agree_on_smollm2(smollm2):
 def test_seeded_sampling_is_reproducible():
     model = build_model("tiny")
     kw = dict(temperature=1.0, top_k=50, top_p=0.9)
-    a = generate(model, _prompt(8), 30, seed=123, **kw).output_ids
-    b = generate(model, _prompt(8), 30, seed=123, **kw).output_ids
-    c = generate(model, _prompt(8), 30, seed=124, **kw).output_ids
+    a = generate(model, random_prompt(8, 256), 30, seed=123, **kw).output_ids
+    b = generate(model, random_prompt(8, 256), 30, seed=123, **kw).output_ids
+    c = generate(model, random_prompt(8, 256), 30, seed=124, **kw).output_ids
     assert a == b and a != c
 
 
@@ -72,9 +69,9 @@ def test_sampling_frequencies_follow_the_softmax():
 
 def test_stops_on_eos_and_streams_tokens():
     model = build_model("tiny")
-    first = generate(model, _prompt(10), 5).output_ids
+    first = generate(model, random_prompt(10, 256), 5).output_ids
     streamed = []
-    out = generate(model, _prompt(10), 50, eos_id=first[2], on_token=streamed.append)
+    out = generate(model, random_prompt(10, 256), 50, eos_id=first[2], on_token=streamed.append)
     assert out.output_ids == first[:3] == streamed and out.stopped_on_eos
 
 

@@ -13,6 +13,7 @@ import torch
 
 from toyllm import generate
 from toyllm.launch import WorkerError, WorkerPool, free_port
+from toyllm.generate import random_prompt
 from toyllm.parallel import LinkModel, ModelSpec, parallel_prefill, single_prefill
 
 ATOL = 1e-4
@@ -46,7 +47,7 @@ def pools():
 
 
 def _ids(n=CONTEXT, seed=0):
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return random_prompt(n, 256, seed)
 
 
 @pytest.fixture(scope="module")

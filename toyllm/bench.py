@@ -13,11 +13,15 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from .model import ModelConfig, build_model
+from .launch import WorkerPool
+from .model import ModelConfig, build_model, get_config
+from .generate import random_prompt
+from .parallel import ModelSpec, measured_cost, parallel_prefill
 
 # glibc gives big freed blocks back to the OS at once; on this kind of VM the
 # page faults of mapping them again can double a timing. These settings keep
@@ -50,8 +54,6 @@ def median_time(fn, repeats: int = 5, warmup: int = 1) -> tuple[float, list[floa
 def naive_vs_cached(model, prompt_len: int = 64, new_tokens: int = 256, repeats: int = 3, seed: int = 0) -> dict:
     """Time a greedy generation both ways on the same random prompt (seconds, medians)."""
     from .generate import generate
-
-    from .parallel import random_prompt
 
     ids = random_prompt(prompt_len, model.config.vocab_size, seed)
     outs = {}
@@ -117,17 +119,14 @@ def bench_generation(quick: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _random_ids(n: int, vocab: int = 256, seed: int = 0) -> list[int]:
-    from .parallel import random_prompt
+@contextmanager
+def _fresh_pool(spec, ids):
+    """Two fresh one-thread workers, settled by untimed TSP runs on ``ids``: the first runs of new
+    processes are often slow while this VM maps their memory."""
 
-    return random_prompt(n, vocab, seed)
-
-
-def _settle(pool, spec, ids) -> None:
-    """Untimed TSP runs on fresh processes: their first runs are often slow while this VM maps their memory."""
-    from .parallel import parallel_prefill
-
-    parallel_prefill(spec, ids, "tsp", pool.world_size, repeat=1, warmup=2, pool=pool)
+    with WorkerPool(2, threads_per_rank=1, timeout_s=3600) as pool:
+        parallel_prefill(spec, ids, "tsp", pool.world_size, repeat=1, warmup=2, pool=pool)
+        yield pool
 
 
 def _single_s(spec, ids, threads: int, repeats: int, warmup: int = 1) -> float:
@@ -137,8 +136,6 @@ def _single_s(spec, ids, threads: int, repeats: int, warmup: int = 1) -> float:
     a short-lived process keeps its multi-GB attention scores out of this
     process's heap, which the resident-heap settings would never shrink.
     """
-    from .launch import WorkerPool
-    from .parallel import parallel_prefill
 
     with WorkerPool(1, threads_per_rank=threads, timeout_s=3600) as pool:
         return parallel_prefill(spec, ids, "kvr", 1, repeat=repeats, warmup=warmup, pool=pool).ttft_s
@@ -146,8 +143,6 @@ def _single_s(spec, ids, threads: int, repeats: int, warmup: int = 1) -> float:
 
 def bench_prefill(quick: bool = False) -> str:
     """TTFT of one process vs TSP vs KVR on 2 processes, bench preset, dense attention."""
-    from .launch import WorkerPool
-    from .parallel import ModelSpec, parallel_prefill
     from .partition import partition_from_ratios, ttft_lower_bound
 
     spec = ModelSpec("bench")
@@ -168,11 +163,10 @@ def bench_prefill(quick: bool = False) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     rows = []
     for C in contexts:
-        ids = _random_ids(C)
+        ids = random_prompt(C, get_config("bench").vocab_size)
         one = _single_s(spec, ids, 1, repeats, warm)
         two = _single_s(spec, ids, 2, repeats, warm)
-        with WorkerPool(2, threads_per_rank=1, timeout_s=3600) as pool:   # fresh processes per context
-            _settle(pool, spec, ids)
+        with _fresh_pool(spec, ids) as pool:                               # fresh processes per context
             tsp = parallel_prefill(spec, ids, "tsp", 2, repeat=repeats, warmup=warm, pool=pool).ttft_s
             kvr_e = parallel_prefill(spec, ids, "kvr", 2, repeat=repeats, warmup=warm, pool=pool).ttft_s
             swept = {r: parallel_prefill(spec, ids, "kvr", 2, partition_from_ratios(C, [r, 1 - r]),
@@ -199,8 +193,6 @@ def bench_prefill(quick: bool = False) -> str:
 
 def _sdpa_rows(contexts, repeats: int, warm: int, dense_rows: list[dict]) -> list[str]:
     """The same comparison with PyTorch's fused kernel, which lets one process skip the masked half."""
-    from .launch import WorkerPool
-    from .parallel import ModelSpec, parallel_prefill
 
     spec = ModelSpec("bench", attention="sdpa")
     lines = ["", "The same with `F.scaled_dot_product_attention` (`--attention sdpa`): a causal square "
@@ -210,10 +202,9 @@ def _sdpa_rows(contexts, repeats: int, warm: int, dense_rows: list[dict]) -> lis
              "KVR vs TSP | KVR vs 1 proc 2 threads |", "|---|---|---|---|---|---|"]
     best = {r["context"]: r["kvr_best_chunks"] for r in dense_rows}
     for C in contexts:
-        ids = _random_ids(C)
+        ids = random_prompt(C, get_config("bench").vocab_size)
         two = _single_s(spec, ids, 2, repeats, warm)
-        with WorkerPool(2, threads_per_rank=1, timeout_s=3600) as pool:
-            _settle(pool, spec, ids)
+        with _fresh_pool(spec, ids) as pool:
             tsp = parallel_prefill(spec, ids, "tsp", 2, repeat=repeats, warmup=warm, pool=pool).ttft_s
             kvr = parallel_prefill(spec, ids, "kvr", 2, best[C], repeat=repeats, warmup=warm, pool=pool).ttft_s
         lines.append(f"| {C} | {two:.3f} | {tsp:.3f} | {kvr:.3f} {best[C]} | {tsp / kvr:.2f}x | {two / kvr:.2f}x |")
@@ -232,11 +223,8 @@ _SDPA_LESSON = ("With a kernel that skips masked work the single process no long
 def bench_search(quick: bool = False) -> str:
     """Simulator vs measurement, measured vs simulated search, KVR-P vs KVR-S, simulated 8-GPU scaling."""
     from .analysis import LLAMA_7B
-    from .launch import WorkerPool
-    from .parallel import ModelSpec, measured_cost
     from .partition import PartitionTable, partition_from_ratios, search_boundary_1d
     from .simulate import CostModel, a100_like, compare_methods, simulate_prefill, ttft_cost
-    from .model import get_config
 
     cfg, spec = get_config("bench"), ModelSpec("bench")
     repeats = 1 if quick else 3
@@ -256,9 +244,8 @@ def bench_search(quick: bool = False) -> str:
               "error |", "|---|---|---|---|---|---|"]
     errors = []
     for C in contexts:
-        ids = _random_ids(C)
-        with WorkerPool(2, threads_per_rank=1, timeout_s=3600) as pool:     # fresh processes per context
-            _settle(pool, spec, ids)
+        ids = random_prompt(C, cfg.vocab_size)
+        with _fresh_pool(spec, ids) as pool:                               # fresh processes per context
             for method, ratio in [("tsp", 0.5), ("kvr", 0.5), ("kvr", 0.6), ("kvr", 0.7)]:
                 chunks = partition_from_ratios(C, [ratio, 1 - ratio])
                 sim = simulate_prefill(cfg, chunks, method, cm, record_events=False).ttft_s
@@ -276,9 +263,8 @@ def bench_search(quick: bool = False) -> str:
     table = PartitionTable(2)
     kvr_s = None
     for C in sorted({*table_contexts, target}):
-        ids = _random_ids(C)
-        with WorkerPool(2, threads_per_rank=1, timeout_s=3600) as pool:
-            _settle(pool, spec, ids)
+        ids = random_prompt(C, cfg.vocab_size)
+        with _fresh_pool(spec, ids) as pool:
             measure = measured_cost(spec, ids, pool, repeat=repeats, warmup=warm)
             real = search_boundary_1d(measure, C, min_stride=max(1, C // 64), progress=True)
             lines.append(f"| {C} | measured | {real.partition} | {real.evaluations} | {real.cost_s:.3f} |")
@@ -291,9 +277,9 @@ def bench_search(quick: bool = False) -> str:
                 lines.append(f"| {C} | simulated | {sim.partition} | {sim.evaluations} | {measure(sim.partition):.3f} |")
     # KVR-P: predict the target from the two neighbours, then time it side by side with KVR-S.
     predicted = table.predict(target)
-    with WorkerPool(2, threads_per_rank=1, timeout_s=3600) as pool:
-        _settle(pool, spec, _random_ids(target))
-        measure = measured_cost(spec, _random_ids(target), pool, repeat=repeats, warmup=warm)
+    ids = random_prompt(target, cfg.vocab_size)
+    with _fresh_pool(spec, ids) as pool:
+        measure = measured_cost(spec, ids, pool, repeat=repeats, warmup=warm)
         rounds = [(measure(predicted), measure(kvr_s)) for _ in range(3)]   # alternate, so drift hits both
         t_p, t_s = (statistics.median(r[i] for r in rounds) for i in (0, 1))
     lines.append(f"| {target} | KVR-P (table {list(table_contexts)}) | {predicted} | 0 | {t_p:.3f} |")

@@ -161,7 +161,8 @@ def _int_list(text: str) -> list[int]:
 
 def cmd_prefill(args) -> int:
     from .launch import launched_by_torchrun
-    from .parallel import LinkModel, ModelSpec, parallel_prefill, random_prompt, single_prefill, torchrun_main
+    from .generate import random_prompt
+    from .parallel import LinkModel, ModelSpec, parallel_prefill, single_prefill, torchrun_main
     from .partition import PartitionTable
 
     spec = ModelSpec(args.model, attention=args.attention)
@@ -244,7 +245,8 @@ def cmd_search(args) -> int:
             if C < p:
                 raise ValueError(f"context {C} is shorter than the world size {p}")
             if pool is not None:
-                from .parallel import ModelSpec, measured_cost, random_prompt
+                from .generate import random_prompt
+                from .parallel import ModelSpec, measured_cost
 
                 ids = random_prompt(C, cfg.vocab_size)
                 cost = measured_cost(ModelSpec(args.model), ids, pool, repeat=args.repeat)

@@ -178,14 +178,14 @@ def _name(fn: Callable) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
 
 
-def _to_cpu(obj: Any) -> Any:
+def to_cpu(obj: Any) -> Any:
     """Move tensors (also inside lists, tuples and dicts) to the CPU so results pickle anywhere."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
     if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(_to_cpu(x) for x in obj)
+        return type(obj)(to_cpu(x) for x in obj)
     if isinstance(obj, dict) and type(obj) is dict:
-        return {k: _to_cpu(v) for k, v in obj.items()}
+        return {k: to_cpu(v) for k, v in obj.items()}
     return obj
 
 
@@ -202,6 +202,13 @@ def _patched_environ(env: dict[str, str]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _join_all(procs: list, grace_s: float) -> None:
+    """Wait for every process to exit, ``grace_s`` seconds for all of them together."""
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
 
 
 def _describe_exit(exitcode: int | None) -> str:
@@ -263,7 +270,7 @@ def _worker_main(rank: int, world_size: int, backend: str, port: int, pg_timeout
                 return
             try:
                 fn, args, kwargs = pickle.loads(data)
-                reply = ("ok", pickle.dumps(_to_cpu(fn(ctx, *args, **kwargs))))
+                reply = ("ok", pickle.dumps(to_cpu(fn(ctx, *args, **kwargs))))
             except BaseException:
                 reply = ("error", traceback.format_exc())
             _send(conn, reply)
@@ -295,15 +302,11 @@ class _Workers:
                     conn.send_bytes(_STOP)
                 except OSError:
                     pass
-            deadline = time.monotonic() + _STOP_GRACE_S
-            for p in self.procs:
-                p.join(max(0.0, deadline - time.monotonic()))
+            _join_all(self.procs, _STOP_GRACE_S)
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
-        deadline = time.monotonic() + _KILL_GRACE_S
-        for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+        _join_all(self.procs, _KILL_GRACE_S)
         for p in self.procs:
             if p.is_alive():
                 p.kill()

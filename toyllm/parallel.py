@@ -29,7 +29,6 @@ processes, so the link model is for single-machine runs only.
 from __future__ import annotations
 
 import functools
-import json
 import random
 import statistics
 import time
@@ -39,8 +38,8 @@ import torch
 import torch.distributed as dist
 
 from .cache import DynamicKVCache
-from .generate import decode_step
-from .launch import RankContext, WorkerPool, init_from_env, launched_by_torchrun, run_parallel
+from .generate import decode_step, random_prompt
+from .launch import RankContext, WorkerPool, init_from_env, run_parallel, to_cpu
 from .model import get_config
 from .timeline import Timeline
 
@@ -126,11 +125,6 @@ class PrefillResult:
 
 # --------------------------------------------------------------------------- validation (before any process starts)
 
-def random_prompt(tokens: int, vocab_size: int, seed: int = 0) -> list[int]:
-    """``tokens`` random token ids below ``vocab_size``, the same for the same seed (benchmarks, CLI)."""
-    return torch.randint(0, vocab_size, (tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def check_prefill_args(context: int, method: str, world_size: int, partition=None) -> list[int]:
     """Validate a request; return the partition (chunk sizes, tokens per rank) to use."""
     from .partition import even_partition, validate_partition
@@ -152,8 +146,8 @@ def check_prefill_args(context: int, method: str, world_size: int, partition=Non
 
 # --------------------------------------------------------------------------- one rank's work
 
-def _layer_kv_bytes(k: torch.Tensor) -> int:
-    return 2 * k.numel() * k.element_size()
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _tsp_layers(model, x, q_pos, cos, sin, chunks, tl, link, rng):
@@ -174,7 +168,7 @@ def _tsp_layers(model, x, q_pos, cos, sin, chunks, tl, link, rng):
         dist.all_gather(parts, kv.contiguous())
         tl.add("allgather", t0, tl.now(), i)
         if link is not None:   # ring all-gather: p-1 steps of one chunk each
-            step = max(link.transfer_s(_layer_kv_bytes(k) * cmax // k.shape[-2], r, (r + 1) % len(chunks), rng)
+            step = max(link.transfer_s(_nbytes(kv), r, (r + 1) % len(chunks), rng)
                        for r in range(len(chunks)))
             _sleep_until(max(s.item() for s in stamps) + (len(chunks) - 1) * step, tl, i)
         with tl.span("compute", i, "attention+mlp"):
@@ -213,7 +207,7 @@ def _kvr_layers(ctx, model, x, q_pos, cos, sin, chunks, tl, link, rng, overlap):
                 r.wait()
             tl.add("recv_wait", t0, tl.now(), i)
         if rank > 0 and link is not None:
-            _sleep_until(stamp_in.item() + link.transfer_s(prefix.numel() * prefix.element_size(), rank - 1, rank, rng), tl, i)
+            _sleep_until(stamp_in.item() + link.transfer_s(_nbytes(prefix), rank - 1, rank, rng), tl, i)
         with tl.span("compute", i, "concat"):
             kv = torch.stack([k, v]) if rank == 0 else torch.cat([prefix, torch.stack([k, v])], dim=-2)
         if rank < last:
@@ -229,7 +223,7 @@ def _kvr_layers(ctx, model, x, q_pos, cos, sin, chunks, tl, link, rng, overlap):
                 dist.send(stamp_out, rank + 1)
                 dist.send(kv, rank + 1)
                 if link is not None:   # a blocking send holds the sender for the whole transfer
-                    time.sleep(link.transfer_s(kv.numel() * kv.element_size(), rank, rank + 1, rng))
+                    time.sleep(link.transfer_s(_nbytes(kv), rank, rank + 1, rng))
                 tl.add("send", t0, tl.now(), i)
         with tl.span("compute", i, "attention+mlp"):
             k_pos = torch.arange(s + chunks[rank])
@@ -380,7 +374,7 @@ def torchrun_main(spec: ModelSpec, ids, method, chunks, overlap, link, repeat, w
         if ctx.world_size != len(chunks):
             raise ValueError(f"torchrun started {ctx.world_size} processes but the partition has {len(chunks)} chunks")
         out = prefill_rank(ctx, spec, ids, method, chunks, overlap, link, repeat, warmup)
-        out = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
+        out = to_cpu(out)   # gather_object pickles: no GPU tensors
         gathered = [None] * ctx.world_size if ctx.rank == 0 else None
         dist.gather_object(out, gathered, dst=0)
         if ctx.rank == 0:

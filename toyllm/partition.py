@@ -318,10 +318,16 @@ def _progress_bar(enabled: bool, desc: str):
     return tqdm(desc=desc, unit="eval")
 
 
-def _default_stride(context: int, world_size: int, span: int) -> int:
-    """Largest power of two <= C / (2 * span * p): the first grid spans about one even chunk each way."""
-    target = max(1, context // (2 * span * world_size))
-    return 1 << (target.bit_length() - 1)
+def _strides(context: int, world_size: int, span: int, stride, min_stride) -> tuple[int, int]:
+    """Check ``min_stride`` and pick the first stride: ``stride`` if given, else the largest power of
+    two <= C / (2 * span * p), so the first grid spans about one even chunk each way."""
+    min_stride = _check_int(min_stride, "min_stride")
+    if min_stride < 1:
+        raise ValueError(f"min_stride must be at least 1 token, got {min_stride}")
+    if stride is None:
+        target = max(1, context // (2 * span * world_size))
+        stride = 1 << (target.bit_length() - 1)
+    return max(min_stride, _check_int(stride, "stride")), min_stride
 
 
 def search_boundary_1d(cost: CostFn, context: int, min_stride: int = 1, stride: int | None = None,
@@ -346,10 +352,7 @@ def search_boundary_1d(cost: CostFn, context: int, min_stride: int = 1, stride: 
     C = _check_int(context, "context")
     if C < 2:
         raise ValueError(f"two processes need a context of at least 2 tokens, got {C}")
-    min_stride = _check_int(min_stride, "min_stride")
-    if min_stride < 1:
-        raise ValueError(f"min_stride must be at least 1 token, got {min_stride}")
-    stride = max(min_stride, _default_stride(C, 2, 2) if stride is None else _check_int(stride, "stride"))
+    stride, min_stride = _strides(C, 2, 2, stride, min_stride)
     f = _MemoCost(cost, _progress_bar(progress, "boundary search"))
 
     # Level 0: the coarse scan, always including the even split.
@@ -394,10 +397,7 @@ def hierarchical_grid_search(cost: CostFn, context: int, world_size: int, stride
     span = _check_int(span, "span")
     if span < 1:
         raise ValueError(f"span must be at least 1 (grid offsets -span..span), got {span}")
-    min_stride = _check_int(min_stride, "min_stride")
-    if min_stride < 1:
-        raise ValueError(f"min_stride must be at least 1 token, got {min_stride}")
-    stride = max(min_stride, _default_stride(C, p, span) if stride is None else _check_int(stride, "stride"))
+    stride, min_stride = _strides(C, p, span, stride, min_stride)
     f = _MemoCost(cost, _progress_bar(progress, f"grid search p={p}"))
 
     best = tuple(boundaries_from_chunks(even_partition(C, p)))

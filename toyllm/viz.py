@@ -212,7 +212,7 @@ def plot_coverage(chunks: Sequence[int], method: str = "kvr", *, ax=None,
         raise ValueError(f"method must be 'kvr' or 'tsp', got {method!r}")
     chunks = [int(c) for c in chunks]
     counts = dot_products(chunks, method)                               # validates the chunks
-    C, p = sum(chunks), len(chunks)
+    C = sum(chunks)
     fig, ax = _new_axes(ax, figsize=(5.5, 5.5))
     needed = [[1.0 if k <= q else 0.0 for k in range(C)] for q in range(C)]
     ax.imshow(needed, cmap="Greys", vmin=0, vmax=3.5, extent=(0, C, C, 0), interpolation="nearest")
