@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from toyllm.generate import check_sampling
+from toyllm.generation import check_sampling
 
 
 def greedy_next_token(logits: torch.Tensor) -> int:
@@ -59,7 +59,7 @@ def sample_next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int
     proportional to softmax(logits / temperature) restricted to them.
     Raises ValueError if temperature < 0, top_k < 1 or top_p is outside (0, 1].
     """
-    # BEGIN SOLUTION 1.2 hint: validate with toyllm.generate.check_sampling; divide by temperature; set logits outside top_k, then outside top_p, to -inf; softmax; torch.multinomial(probs, 1, generator=generator)
+    # BEGIN SOLUTION 1.2 hint: validate with toyllm.generation.check_sampling; divide by temperature; set logits outside top_k, then outside top_p, to -inf; softmax; torch.multinomial(probs, 1, generator=generator)
     check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return int(torch.argmax(logits))

@@ -13,7 +13,7 @@ import torch
 
 from toyllm import generate
 from toyllm.launch import WorkerError, WorkerPool, free_port
-from toyllm.generate import random_prompt
+from toyllm.generation import random_prompt
 from toyllm.parallel import LinkModel, ModelSpec, parallel_prefill, single_prefill
 
 ATOL = 1e-4

@@ -7,7 +7,7 @@
     print(tokenizer.decode(result.output_ids))
 """
 from .cache import DynamicKVCache, StaticKVCache, make_cache
-from .generate import GenerationResult, decode_step, generate, prefill, sample_next_token
+from .generation import GenerationResult, decode_step, generate, prefill, sample_next_token
 from .model import PRESETS, ModelConfig, Transformer, build_model, get_config
 
 

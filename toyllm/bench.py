@@ -20,7 +20,7 @@ import torch
 
 from .launch import WorkerPool
 from .model import ModelConfig, build_model, get_config
-from .generate import random_prompt
+from .utils import median_time, random_prompt
 from .parallel import ModelSpec, measured_cost, parallel_prefill
 
 # glibc gives big freed blocks back to the OS at once; on this kind of VM the
@@ -39,21 +39,9 @@ def ensure_resident_heap(argv: list[str]) -> None:
     raise SystemExit(subprocess.call([sys.executable, "-m", "toyllm", *argv], env=env))
 
 
-def median_time(fn, repeats: int = 5, warmup: int = 1) -> tuple[float, list[float]]:
-    """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    runs = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - t)
-    return statistics.median(runs), runs
-
-
 def naive_vs_cached(model, prompt_len: int = 64, new_tokens: int = 256, repeats: int = 3, seed: int = 0) -> dict:
     """Time a greedy generation both ways on the same random prompt (seconds, medians)."""
-    from .generate import generate
+    from .generation import generate
 
     ids = random_prompt(prompt_len, model.config.vocab_size, seed)
     outs = {}
@@ -104,7 +92,7 @@ def bench_generation(quick: bool = False) -> str:
               "the work per token: modest on the 64-wide tiny model, large once a layer is a few hundred wide."]
 
     model, tok = load_model("smollm2-135m")
-    from .generate import generate
+    from .generation import generate
 
     ids = tok.encode_chat("Write a short poem about the sea.")
     n = 16 if quick else 64

@@ -14,24 +14,7 @@ import torch
 
 from . import grading
 from .model import get_config
-
-
-class TextStreamer:
-    """Prints text as tokens arrive, holding back bytes of an unfinished UTF-8 character."""
-
-    def __init__(self, tokenizer, out=sys.stdout):
-        self.tokenizer, self.out = tokenizer, out
-        self.ids: list[int] = []
-        self.printed = 0
-
-    def __call__(self, token: int) -> None:
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return
-        self.out.write(text[self.printed:])
-        self.out.flush()
-        self.printed = len(text)
+from .utils import TextStreamer, random_prompt
 
 
 def _encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -161,7 +144,6 @@ def _int_list(text: str) -> list[int]:
 
 def cmd_prefill(args) -> int:
     from .launch import launched_by_torchrun
-    from .generate import random_prompt
     from .parallel import LinkModel, ModelSpec, parallel_prefill, single_prefill, torchrun_main
     from .partition import PartitionTable
 
@@ -245,7 +227,6 @@ def cmd_search(args) -> int:
             if C < p:
                 raise ValueError(f"context {C} is shorter than the world size {p}")
             if pool is not None:
-                from .generate import random_prompt
                 from .parallel import ModelSpec, measured_cost
 
                 ids = random_prompt(C, cfg.vocab_size)

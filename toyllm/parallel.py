@@ -38,10 +38,11 @@ import torch
 import torch.distributed as dist
 
 from .cache import DynamicKVCache
-from .generate import decode_step, random_prompt
+from .generation import decode_step
 from .launch import RankContext, WorkerPool, init_from_env, run_parallel, to_cpu
 from .model import get_config
 from .timeline import Timeline
+from .utils import random_prompt
 
 METHODS = ("single", "tsp", "kvr")
 

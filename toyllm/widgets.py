@@ -5,7 +5,7 @@ Each explorer is a class with:
 - its controls as attributes (``calc.tokens``, ``explorer.batch``, ...), plain
   ipywidgets whose ``.value`` can be set from code as well as by hand;
 - ``update()``, called by the controls' observers, which recomputes the
-  numbers (with ``toyllm.analysis`` or ``toyllm.generate``, never a private
+  numbers (with ``toyllm.analysis`` or ``toyllm.generation``, never a private
   copy of a formula), writes them to ``.text`` (an HTML widget) and redraws
   ``.figure`` into an output area;
 - ``.widget``, the container to show: ``display(calc.widget)``, or just put
@@ -30,7 +30,7 @@ from IPython import get_ipython
 from IPython.display import display
 
 from . import analysis, viz
-from .generate import sample_next_token
+from .generation import sample_next_token
 from .model import get_config
 
 _SLIDER = {"continuous_update": False, "style": {"description_width": "150px"}, "layout": W.Layout(width="480px")}
@@ -228,7 +228,7 @@ class RooflineExplorer(_Explorer):
 # --------------------------------------------------------------------------- sampling
 
 class SamplingExplorer(_Explorer):
-    """What ``toyllm.generate.sample_next_token`` draws from one logits vector.
+    """What ``toyllm.generation.sample_next_token`` draws from one logits vector.
 
     The bars are the frequencies of each candidate in ``draws`` calls of the
     real sampler (seeded, so the same settings always give the same bars),

@@ -2,7 +2,7 @@
 
 1.1 greedy_next_token 2, 1.2 sample_next_token 8, 1.3 naive_generate 5.
 References: ``torch.argmax``, exact softmax probabilities and
-``toyllm.generate.generate(..., method="naive")`` on the tiny preset.
+``toyllm.generation.generate(..., method="naive")`` on the tiny preset.
 """
 import pytest
 import torch

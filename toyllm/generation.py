@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from .cache import DynamicKVCache, StaticKVCache, make_cache
+from .utils import random_prompt  # noqa: F401  (re-exported: tests and lessons use it from here)
 
 METHODS = ("naive", "cached")
 
@@ -95,11 +96,6 @@ def decode_step(model, token: int, cache) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- the loop
-
-def random_prompt(tokens: int, vocab_size: int, seed: int = 0) -> list[int]:
-    """``tokens`` random token ids below ``vocab_size``, the same for the same seed (tests, benchmarks, CLI)."""
-    return torch.randint(0, vocab_size, (tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
-
 
 def _check_request(model, prompt_ids, max_new_tokens, method, cache):
     cfg = model.config

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from toyllm import StaticKVCache, build_model, generate, get_config, sample_next_token
-from toyllm.generate import random_prompt
+from toyllm.generation import random_prompt
 
 LOGIT_ATOL = 1e-4   # float32; cached attention sums over the same keys in another order
 
