@@ -93,3 +93,70 @@ def test_bad_requests_are_rejected(kwargs, message):
     args = dict(prompt_ids=[1, 2, 3, 4, 5], max_new_tokens=10) | kwargs
     with pytest.raises(ValueError, match=message):
         generate(model, args.pop("prompt_ids"), args.pop("max_new_tokens"), **args)
+
+
+def test_chunked_prefill_through_the_public_api_equals_one_pass():
+    from toyllm import DynamicKVCache, prefill
+
+    model = build_model("tiny")
+    ids = torch.tensor([random_prompt(40, 256, seed=3)])
+    whole = prefill(model, ids, DynamicKVCache(model.config.n_layers))
+    for cache in (DynamicKVCache(model.config.n_layers), StaticKVCache.for_model(model.config, 64)):
+        prefill(model, ids[:, :17], cache)
+        prefill(model, ids[:, 17:30], cache)
+        last = prefill(model, ids[:, 30:], cache)
+        assert cache.length == 40
+        torch.testing.assert_close(last, whole, atol=1e-5, rtol=0)
+
+
+def test_generate_continues_after_a_prefilled_cache():
+    from toyllm import DynamicKVCache, prefill
+
+    model = build_model("tiny")
+    ids = random_prompt(30, 256, seed=4)
+    expected = generate(model, ids, 8).output_ids
+    cache = DynamicKVCache(model.config.n_layers)
+    prefill(model, torch.tensor([ids[:20]]), cache)          # the first 20 tokens are already cached
+    assert generate(model, ids[20:], 8, cache=cache).output_ids == expected
+
+
+@pytest.mark.parametrize("start", [0, 5])
+@pytest.mark.parametrize("with_cache", [False, True])
+def test_last_only_logits_equal_the_last_row_of_full_logits(start, with_cache):
+    from toyllm import DynamicKVCache
+
+    model = build_model("tiny")
+    ids = torch.tensor([random_prompt(12, 256, seed=5)])
+    caches = [DynamicKVCache(model.config.n_layers) if with_cache else None for _ in range(2)]
+    if with_cache:   # a cache already holding `start` tokens puts the new ones at an offset
+        for c in caches:
+            model(ids[:, :start] if start else ids[:, :1], cache=c)
+    pos = caches[0].length if with_cache else start
+    full = model(ids, input_pos=pos, cache=caches[0])                       # (1, 12, vocab)
+    last = model(ids, input_pos=pos, cache=caches[1], last_only=True)       # (1, 1, vocab)
+    assert last.shape == (1, 1, 256)
+    torch.testing.assert_close(last[:, 0], full[:, -1], atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+def test_last_only_logits_on_smollm2(smollm2):
+    model, _ = smollm2
+    ids = torch.tensor([random_prompt(20, model.config.vocab_size, seed=6)])
+    full = model(ids, input_pos=3)
+    last = model(ids, input_pos=3, last_only=True)
+    # One row goes through a matrix-vector product, 20 rows through a matrix product: the
+    # 576-term sums are added in another order, so logits of size ~10 differ in the 6th digit.
+    torch.testing.assert_close(last[:, 0], full[:, -1], atol=5e-5, rtol=1e-6)
+    assert int(last.argmax()) == int(full[0, -1].argmax())
+
+
+def test_prefill_and_naive_steps_project_only_the_last_position(monkeypatch):
+    from toyllm import DynamicKVCache, prefill
+
+    model = build_model("tiny")
+    shapes = []
+    real_head = model.head
+    monkeypatch.setattr(model, "head", lambda x: shapes.append(tuple(x.shape)) or real_head(x))
+    prefill(model, torch.tensor([random_prompt(30, 256)]), DynamicKVCache(model.config.n_layers))
+    generate(model, random_prompt(30, 256), 3, method="naive")
+    assert shapes and all(s[1] == 1 for s in shapes), shapes

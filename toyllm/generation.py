@@ -84,8 +84,12 @@ def sample_next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int
 
 @torch.no_grad()
 def prefill(model, ids: torch.Tensor, cache) -> torch.Tensor:
-    """Run the prompt ids (1, T) through the model, filling ``cache``; returns the last logits (vocab,)."""
-    return model(ids, input_pos=0, cache=cache)[0, -1]
+    """Run prompt ids (1, T) through the model after what ``cache`` holds; returns the last logits (vocab,).
+
+    The new tokens take positions ``cache.length`` onwards, so a prompt can be
+    prefilled in several chunks and the result equals one pass over it all.
+    """
+    return model(ids, input_pos=cache.length, cache=cache, last_only=True)[0, -1]
 
 
 @torch.no_grad()
@@ -147,7 +151,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int = 32, *, method: 
     for step in range(max_new_tokens):
         t_step = time.perf_counter()
         if method == "naive":
-            logits = model(torch.tensor([ids], device=device))[0, -1]
+            logits = model(torch.tensor([ids], device=device), last_only=True)[0, -1]
         elif step == 0:
             logits = prefill(model, torch.tensor([ids], device=device), cache)
         else:

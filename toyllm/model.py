@@ -18,12 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# An attention function takes q (B, H, T, D), k and v (B, H, S, D) with the
-# key/value heads already shared out to every query head, the absolute
-# positions of the queries (T,) and of the keys (S,), and returns (B, H, T, D).
-# It is the extension point that lessons and exercises swap.
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
+from .attention import (ATTENTION_KERNELS, AttentionFn, causal_mask, dense_attention,  # noqa: F401  (re-exported)
+                        get_attention, sdpa_attention)
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -89,43 +85,6 @@ def get_config(name: str) -> ModelConfig:
     return PRESETS[name]
 
 
-# --------------------------------------------------------------------------- attention kernels
-
-def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-    """Boolean (T, S) mask: query at position p may see keys at positions <= p."""
-    return k_pos[None, :] <= q_pos[:, None]
-
-
-def dense_attention(q, k, v, q_pos, k_pos):
-    """Textbook attention: every dot product of QK^T, then mask, softmax, times V.
-
-    This is the kernel the KV-Runahead paper counts (c_i * (s_i + c_i) dot
-    products per rank), so every method in a comparison uses it by default.
-    """
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])           # (B, H, T, S)
-    scores.masked_fill_(~causal_mask(q_pos, k_pos), float("-inf"))       # in place: scores can be GBs
-    return torch.softmax(scores, dim=-1) @ v                             # (B, H, T, D)
-
-
-def sdpa_attention(q, k, v, q_pos, k_pos):
-    """PyTorch's fused kernel. With a plain causal square it may skip the masked half."""
-    T, S = q.shape[-2], k.shape[-2]
-    if T == S and torch.equal(q_pos, k_pos):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q_pos, k_pos))
-
-
-ATTENTION_KERNELS: dict[str, AttentionFn] = {"dense": dense_attention, "sdpa": sdpa_attention}
-
-
-def get_attention(kernel: str | AttentionFn) -> AttentionFn:
-    if callable(kernel):
-        return kernel
-    if kernel not in ATTENTION_KERNELS:
-        raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {sorted(ATTENTION_KERNELS)}")
-    return ATTENTION_KERNELS[kernel]
-
-
 # --------------------------------------------------------------------------- building blocks
 
 class RMSNorm(nn.Module):
@@ -176,7 +135,8 @@ class Attention(nn.Module):
     def attend(self, q, k, v, q_pos, k_pos, attention: AttentionFn):
         """Attention of q (B, H, T, D) over all keys k, v (B, Hkv, S, D); returns (B, T, d_model)."""
         group = self.n_heads // self.n_kv_heads
-        if group > 1:  # grouped-query attention: each K/V head serves `group` query heads
+        if group > 1 and not getattr(attention, "handles_gqa", False):
+            # grouped-query attention for a kernel that wants H heads: copy each K/V head out to its group
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         out = attention(q, k, v, q_pos, k_pos)                           # (B, H, T, D)
         B, H, T, D = out.shape
@@ -265,12 +225,17 @@ class Transformer(nn.Module):
         """Final norm and projection to float32 logits (B, T, vocab)."""
         return self.lm_head(self.norm(x)).float()
 
-    def forward(self, ids: torch.Tensor, input_pos: int | None = None, cache=None) -> torch.Tensor:
-        """Logits (B, T, vocab) for token ids (B, T).
+    def forward(self, ids: torch.Tensor, input_pos: int | None = None, cache=None,
+                last_only: bool = False) -> torch.Tensor:
+        """Logits (B, T, vocab) for token ids (B, T); (B, 1, vocab) with ``last_only``.
 
         input_pos: absolute position of ids[:, 0]; by default the number of
         tokens already in the cache (0 without one).
         cache: a ``toyllm.cache`` object; its layers get this call's K and V.
+        last_only: project only the last position to the vocabulary. Picking
+        the next token needs nothing else, and for a real vocabulary the
+        T x vocab projection is a large share of a prefill (SmolLM2 at 1024
+        tokens: about 58 GFLOP and a 200 MB tensor), so every prefill uses it.
         """
         start = (cache.length if cache is not None else 0) if input_pos is None else int(input_pos)
         T = ids.shape[-1]
@@ -278,14 +243,14 @@ class Transformer(nn.Module):
             raise ValueError("ids is empty: give at least one token")
         q_pos = self.positions(start, T)
         cos, sin = self.rope_cos[q_pos], self.rope_sin[q_pos]
-        x = self.embed(ids)
+        x = self.embed(ids)                                              # (B, T, d_model)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.qkv(x, cos, sin)
             if cache is not None:
                 k, v = cache.update(i, k, v)                             # (B, Hkv, S, D): past + new
             k_pos = torch.arange(start + T - k.shape[-2], start + T, device=q_pos.device)
             x = layer.finish(x, layer.attend(q, k, v, q_pos, k_pos, self.attention))
-        return self.head(x)
+        return self.head(x[:, -1:] if last_only else x)
 
 
 def build_model(cfg: ModelConfig | str, seed: int = 0, attention: str | AttentionFn = "dense") -> Transformer:
