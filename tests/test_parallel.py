@@ -15,6 +15,7 @@ from toyllm import generate
 from toyllm.launch import WorkerError, WorkerPool, free_port
 from toyllm.generation import random_prompt
 from toyllm.parallel import LinkModel, ModelSpec, parallel_prefill, single_prefill
+from workers_for_tests import failing_step
 
 ATOL = 1e-4
 CONTEXT = 37
@@ -63,7 +64,7 @@ def _assert_matches(result, reference):
     logits, cache = reference
     assert (result.logits - logits).abs().max().item() < ATOL
     assert result.first_token == int(logits.argmax())
-    assert len(result.kv_cache) == len(cache)
+    assert result.kv_cache.n_layers == cache.n_layers and result.kv_cache.length == cache.length == CONTEXT
     for (k, v), (k_ref, v_ref) in zip(result.kv_cache, cache):
         assert k.shape == k_ref.shape                       # the whole context: (1, Hkv, C, D)
         assert (k - k_ref).abs().max().item() < ATOL and (v - v_ref).abs().max().item() < ATOL
@@ -170,9 +171,8 @@ def test_a_failing_rank_stops_the_run_with_its_traceback():
     import multiprocessing
 
     before = set(multiprocessing.active_children())             # the shared pools may be running
-    bad = ModelSpec("tiny", overrides=(("n_kv_heads", 3),))   # 4 heads are not a multiple of 3: fails in workers
-    with pytest.raises(WorkerError, match="multiple of n_kv_heads") as info:
-        parallel_prefill(bad, _ids(), "kvr", 2, timeout_s=60)
+    with pytest.raises(WorkerError, match="rank 1 gives up") as info:
+        parallel_prefill(SPECS["gqa"], _ids(), "kvr", 2, step=failing_step, timeout_s=60)
     assert "Traceback" in info.value.traceback
     assert set(multiprocessing.active_children()) <= before   # none of this run's processes is left
 

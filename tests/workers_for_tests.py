@@ -60,6 +60,14 @@ def exit_on_rank(ctx, bad_rank: int, code: int, pid_dir: str) -> int:
     return ctx.rank
 
 
+def failing_step(layer, x, pos, comm, attention):
+    """A parallel-prefill step that raises on rank 1 (the others then wait on it until the run is stopped)."""
+    if comm.rank == 1:
+        raise RuntimeError("rank 1 gives up in its first layer")
+    from toyllm.parallel import kvr_layer
+    return kvr_layer(layer, x, pos, comm, attention)
+
+
 def main() -> None:
     from toyllm.launch import init_from_env, launched_by_torchrun
 

@@ -51,6 +51,19 @@ class DynamicKVCache:
     def values(self, layer: int) -> torch.Tensor:
         return self._v[layer]
 
+    @classmethod
+    def from_layers(cls, layers) -> "DynamicKVCache":
+        """A cache holding the given per-layer (k, v) pairs, each (B, Hkv, S, D), as they are (no copy)."""
+        layers = list(layers)
+        cache = cls(len(layers))
+        for i, (k, v) in enumerate(layers):
+            cache.update(i, k, v)
+        return cache
+
+    def __iter__(self):
+        """Per-layer (keys, values), each (B, Hkv, S, D)."""
+        return ((self.keys(i), self.values(i)) for i in range(self.n_layers))
+
 
 class StaticKVCache:
     """A preallocated, left-padded KV buffer that makes appending pointer arithmetic.
@@ -131,6 +144,10 @@ class StaticKVCache:
     def values(self, layer: int) -> torch.Tensor:
         end = self._end[layer]
         return self.v_buf[layer, :, :, end - self._len[layer]:end]
+
+    def __iter__(self):
+        """Per-layer (keys, values), each (B, Hkv, S, D): the real rows only."""
+        return ((self.keys(i), self.values(i)) for i in range(self.k_buf.shape[0]))
 
 
 CACHES = {"dynamic": DynamicKVCache, "static": StaticKVCache}

@@ -165,11 +165,11 @@ def cmd_prefill(args) -> int:
         partition = table.predict(args.context)
     link = LinkModel(args.bandwidth, args.latency, (0, 1) if args.noise else None, args.noise) if args.bandwidth else None
     if launched_by_torchrun():
-        from .parallel import check_prefill_args
+        from .parallel import check_prefill_request
 
-        chunks = check_prefill_args(args.context, args.method, int(os.environ["WORLD_SIZE"]), partition)
-        result = torchrun_main(spec, ids, args.method, chunks, args.overlap, link, args.repeat, 1,
-                               args.backend, args.timeout)
+        chunks = check_prefill_request(spec, ids, args.method, int(os.environ["WORLD_SIZE"]), partition)
+        result = torchrun_main(spec, ids, args.method, chunks, overlap=args.overlap, link=link, repeat=args.repeat,
+                               warmup=1, backend=args.backend, timeout_s=args.timeout)
         if result is None:      # not rank 0: rank 0 reports
             return 0
     else:

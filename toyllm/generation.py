@@ -101,7 +101,7 @@ def decode_step(model, token: int, cache) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- the loop
 
-def _check_request(model, prompt_ids, max_new_tokens, method, cache):
+def _check_request(model, prompt_ids, max_new_tokens, method, cache, prefilled_logits):
     cfg = model.config
     if len(prompt_ids) == 0:
         raise ValueError("prompt is empty: give at least one token")
@@ -109,13 +109,22 @@ def _check_request(model, prompt_ids, max_new_tokens, method, cache):
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {list(METHODS)}")
-    if len(prompt_ids) > cfg.max_context:
-        raise ValueError(f"prompt has {len(prompt_ids)} tokens but max_context is {cfg.max_context}")
-    if len(prompt_ids) + max_new_tokens > cfg.max_context:
-        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                         f"max_context={cfg.max_context}; ask for at most {cfg.max_context - len(prompt_ids)} new tokens")
+    bad = [t for t in prompt_ids if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids must lie in [0, {cfg.vocab_size}), got {bad[:5]}")
+    if prefilled_logits is not None and (method != "cached" or isinstance(cache, str) or cache.length == 0):
+        raise ValueError("prefilled_logits needs method='cached' and the cache object that holds the prompt")
+    # tokens already in the cache come before this prompt, unless the prompt is what they are
+    held = 0 if isinstance(cache, str) or method == "naive" or prefilled_logits is not None else cache.length
+    total = held + len(prompt_ids)
+    if total > cfg.max_context:
+        cached = f" ({held} of them already cached)" if held else ""
+        raise ValueError(f"prompt has {total} tokens{cached} but max_context is {cfg.max_context}")
+    if total + max_new_tokens > cfg.max_context:
+        raise ValueError(f"prompt ({total} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"max_context={cfg.max_context}; ask for at most {cfg.max_context - total} new tokens")
     if isinstance(cache, StaticKVCache):
-        needed = len(prompt_ids) + max_new_tokens - 1        # the last token is never fed back
+        needed = (0 if prefilled_logits is not None else len(prompt_ids)) + max_new_tokens - 1  # the last token is never fed back
         if needed > cache.window - cache.length:
             raise ValueError(f"cache too small: this request needs {needed} free rows but the static cache "
                              f"has {cache.window - cache.length} (window S-1 = {cache.window})")
@@ -126,17 +135,22 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int = 32, *, method: 
              cache: str | DynamicKVCache | StaticKVCache = "dynamic", temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
              eos_id: int | None = None, on_token: Callable[[int], None] | None = None,
-             return_logits: bool = False) -> GenerationResult:
+             return_logits: bool = False, prefilled_logits: torch.Tensor | None = None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
 
     method: "naive" (recompute the whole prefix each step) or "cached".
-    cache: "dynamic", "static" or a cache object (cached method only).
+    cache: "dynamic", "static" or a cache object (cached method only); a
+    cache object that already holds tokens is continued: the prompt goes
+    after them.
+    prefilled_logits: the prompt is already in ``cache`` (for example after a
+    parallel prefill) and these are its last position's logits (vocab,);
+    generation starts by choosing from them, with no prefill.
     seed: seeds the sampler so sampled runs are reproducible.
     eos_id: stop after this token is produced. on_token(id) is called for each
     new token as soon as it exists (streaming).
     """
     prompt_ids = [int(t) for t in prompt_ids]
-    _check_request(model, prompt_ids, max_new_tokens, method, cache)
+    _check_request(model, prompt_ids, max_new_tokens, method, cache, prefilled_logits)
     check_sampling(temperature, top_k, top_p)
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     device = model.rope_cos.device
@@ -152,10 +166,12 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int = 32, *, method: 
         t_step = time.perf_counter()
         if method == "naive":
             logits = model(torch.tensor([ids], device=device), last_only=True)[0, -1]
-        elif step == 0:
-            logits = prefill(model, torch.tensor([ids], device=device), cache)
-        else:
+        elif step > 0:
             logits = decode_step(model, ids[-1], cache)
+        elif prefilled_logits is not None:
+            logits = prefilled_logits
+        else:
+            logits = prefill(model, torch.tensor([ids], device=device), cache)
         token = sample_next_token(logits, temperature, top_k, top_p, gen)
         step_times.append(time.perf_counter() - t_step)
         if step == 0:

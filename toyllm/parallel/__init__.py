@@ -1,0 +1,34 @@
+"""Parallel prefill across processes: TSP and KV-Runahead (KVR).
+
+The prompt of C tokens is cut into chunks c_0..c_{p-1}, one per rank; rank i
+owns tokens [s_i, s_i + c_i) with s_i = c_0 + ... + c_{i-1}. Every rank runs
+all layers on its own tokens with the single-device model's three steps
+(``Block.qkv``, ``Block.attend``, ``Block.finish``); the model itself knows
+nothing of processes. The methods differ only in how a rank gets the keys
+and values of the tokens before its chunk:
+
+- **TSP** (tensor/sequence parallel): every rank all-gathers everyone's K,V
+  and attends its c_i queries over all C keys, masking the future. Dot
+  products per rank: c_i * C. Every rank waits for the slowest.
+- **KVR** (KV-Runahead): rank i receives the K,V of tokens [0, s_i) from
+  rank i-1, appends its own, attends over those s_i + c_i keys, and sends
+  the grown prefix on to rank i+1. Dot products: c_i * (s_i + c_i); only
+  point-to-point messages; the last rank ends up holding the KV cache of
+  the whole context, produces the first token and keeps decoding.
+
+Three layers, each readable on its own:
+
+- ``steps``: the algorithms, one layer of TSP or KVR in about a dozen lines;
+- ``comm``: the communication objects (all-gather, the KVR chain with
+  blocking or overlapped sends and receives, a simulated slow link);
+- ``runner``: checking a request, starting the processes, timing repeated
+  runs, timelines, decoding afterwards, merging the results.
+"""
+from .comm import AllGather, Chain, LinkModel
+from .runner import (METHODS, ModelSpec, PrefillResult, check_prefill_request, demo_prefill, measured_cost,
+                     parallel_prefill, prefill_rank, single_prefill, torchrun_main)
+from .steps import STEPS, RankPositions, kvr_layer, kvr_layer_blocking, tsp_layer
+
+__all__ = ["AllGather", "Chain", "LinkModel", "METHODS", "ModelSpec", "PrefillResult", "check_prefill_request",
+           "demo_prefill", "measured_cost", "parallel_prefill", "prefill_rank", "single_prefill", "torchrun_main",
+           "STEPS", "RankPositions", "kvr_layer", "kvr_layer_blocking", "tsp_layer"]

@@ -1,0 +1,206 @@
+"""Communication for parallel prefill, one small object per style.
+
+- ``AllGather`` (TSP): ``all_gather(k, v)`` gives every rank every rank's
+  K and V. Chunks may differ in size; gloo's all_gather needs equal ones, so
+  it pads to the longest chunk and trims afterwards.
+- ``Chain`` (KV-Runahead): point-to-point links to the neighbours. ``recv``
+  and ``send`` block; ``irecv`` posts a receive and returns a handle to
+  ``wait()`` on later, ``isend`` queues a send and only waits for the
+  previous one (its buffer must not be reused before it is delivered).
+
+Both record what they do on the rank's ``Timeline`` (all-gathers, waits,
+sends) and can act out a slower network with a ``LinkModel``, so the
+algorithms in ``toyllm.parallel.steps`` stay free of that bookkeeping. Like
+ring-flash-attention's RingComm, they hide ``send/recv/wait`` behind a few
+verbs the algorithm reads naturally.
+
+The simulated link is applied on the receiving side: a message sent at time
+t is not handed over before t + bytes / bandwidth + latency (+ noise). The
+sender's clock travels with the data, so the link model is for runs on one
+machine (one clock) only.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..timeline import Timeline
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """A simulated network link: transfer time = bytes / bandwidth + latency, times a noise factor.
+
+    bandwidth_gbps: gigabytes per second (1e9 bytes/s). latency_s: seconds per
+    message. noisy_link: (src, dst) ranks whose link gets noise; noise: the
+    standard deviation of the relative slow-down (0.5 = typically 50 percent
+    slower); noise is never negative.
+    """
+
+    bandwidth_gbps: float
+    latency_s: float = 0.0
+    noisy_link: tuple[int, int] | None = None
+    noise: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.bandwidth_gbps > 0 or self.bandwidth_gbps != self.bandwidth_gbps or self.bandwidth_gbps == float("inf"):
+            raise ValueError(f"bandwidth must be a finite number > 0 GB/s, got {self.bandwidth_gbps}")
+        if not (self.latency_s >= 0 and self.noise >= 0):
+            raise ValueError(f"latency_s and noise must be >= 0, got {self.latency_s} and {self.noise}")
+
+    def transfer_s(self, nbytes: int, src: int, dst: int, rng: random.Random) -> float:
+        t = nbytes / (self.bandwidth_gbps * 1e9) + self.latency_s
+        if self.noise and self.noisy_link in ((src, dst), (dst, src)):
+            t *= 1.0 + abs(rng.gauss(0.0, self.noise))
+        return t
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Comm:
+    """What both styles share: the rank, the timeline, the simulated link."""
+
+    def __init__(self, rank: int, chunks: list[int], timeline: Timeline, link: LinkModel | None = None,
+                 rng: random.Random | None = None):
+        self.rank, self.chunks, self.world_size = rank, list(chunks), len(chunks)
+        self.tl, self.link, self.rng = timeline, link, rng or random.Random(0)
+        self.layer: int | None = None      # set by the runner before each layer, for the timeline
+
+    def _hold_until(self, t_perf: float) -> None:
+        """Simulated link: hold the data until its modelled arrival time (a perf_counter value)."""
+        t0 = self.tl.now()
+        delay = t_perf - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+            self.tl.add("link_delay", t0, self.tl.now(), self.layer)
+
+    def finish(self) -> None:
+        """Wait for anything still in flight (called once after the last layer)."""
+
+
+class AllGather(_Comm):
+    """TSP's collective: every rank ends up with the K and V of every chunk."""
+
+    def all_gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """This rank's k, v (B, Hkv, c_i, D) in; every rank's (B, Hkv, c_j, D), in rank order, out."""
+        kv = torch.stack([k, v])                                          # (2, B, Hkv, c_i, D): one message
+        longest = max(self.chunks)
+        if kv.shape[-2] < longest:                                        # equal sizes for all_gather: pad
+            kv = torch.cat([kv, kv.new_zeros(*kv.shape[:-2], longest - kv.shape[-2], kv.shape[-1])], dim=-2)
+        t0 = self.tl.now()
+        if self.link is not None:                                         # everyone learns when the last rank arrived
+            stamps = [torch.zeros(1, dtype=torch.float64) for _ in self.chunks]
+            dist.all_gather(stamps, torch.tensor([time.perf_counter()], dtype=torch.float64))
+        parts = [torch.empty_like(kv) for _ in self.chunks]
+        dist.all_gather(parts, kv.contiguous())
+        self.tl.add("allgather", t0, self.tl.now(), self.layer)
+        if self.link is not None:                                         # a ring all-gather: p-1 steps of one chunk
+            p = self.world_size
+            step = max(self.link.transfer_s(nbytes(kv), r, (r + 1) % p, self.rng) for r in range(p))
+            self._hold_until(max(s.item() for s in stamps) + (p - 1) * step)
+        parts = [part[..., :c, :] for part, c in zip(parts, self.chunks)]   # trim the padding
+        return [part[0] for part in parts], [part[1] for part in parts]
+
+
+class _Incoming:
+    """A posted receive of the prefix; ``wait()`` returns (k, v), each (B, Hkv, s_i, D)."""
+
+    def __init__(self, chain: "Chain", requests, stamp, buf):
+        self.chain, self.requests, self.stamp, self.buf = chain, requests, stamp, buf
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        t0 = self.chain.tl.now()
+        for r in self.requests:
+            r.wait()
+        self.chain.tl.add("recv_wait", t0, self.chain.tl.now(), self.chain.layer)
+        return self.chain._arrived(self.stamp, self.buf)
+
+
+class Chain(_Comm):
+    """KV-Runahead's links: receive the prefix from rank-1, send the grown prefix to rank+1.
+
+    Message shapes are known in advance: rank i receives K and V of the
+    s_i tokens before its chunk, stacked as (2, B, Hkv, s_i, D).
+    """
+
+    def __init__(self, rank: int, chunks: list[int], timeline: Timeline, *, batch: int, n_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device=None, link: LinkModel | None = None,
+                 rng: random.Random | None = None):
+        super().__init__(rank, chunks, timeline, link, rng)
+        self.prefix_shape = (2, batch, n_kv_heads, sum(chunks[:rank]), head_dim)
+        self.dtype, self.device = dtype, device
+        self.has_prev, self.has_next = rank > 0, rank < len(chunks) - 1
+        self._sending: list = []     # requests of the send in flight
+
+    # ---------------------------------------------------------------- receiving
+    def _buffers(self):
+        stamp = torch.zeros(1, dtype=torch.float64)      # the sender's clock, for the simulated link
+        return stamp, torch.empty(self.prefix_shape, dtype=self.dtype, device=self.device)
+
+    def _arrived(self, stamp, buf):
+        if self.link is not None:
+            self._hold_until(stamp.item() + self.link.transfer_s(nbytes(buf), self.rank - 1, self.rank, self.rng))
+        return buf[0], buf[1]
+
+    def irecv(self) -> _Incoming | None:
+        """Post the receive of the prefix from rank-1 and return at once (None on rank 0)."""
+        if not self.has_prev:
+            return None
+        stamp, buf = self._buffers()
+        return _Incoming(self, [dist.irecv(stamp, self.rank - 1), dist.irecv(buf, self.rank - 1)], stamp, buf)
+
+    def recv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Block until the prefix (k, v) from rank-1 is here (None on rank 0)."""
+        if not self.has_prev:
+            return None
+        stamp, buf = self._buffers()
+        t0 = self.tl.now()
+        dist.recv(stamp, self.rank - 1)
+        dist.recv(buf, self.rank - 1)
+        self.tl.add("recv_wait", t0, self.tl.now(), self.layer)
+        return self._arrived(stamp, buf)
+
+    # ---------------------------------------------------------------- sending
+    def _message(self, k, v):
+        return torch.tensor([time.perf_counter()], dtype=torch.float64), torch.stack([k, v]).contiguous()
+
+    def isend(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Queue k, v (B, Hkv, s_i + c_i, D) for rank+1 and return; no-op on the last rank."""
+        if not self.has_next:
+            return
+        t0 = self.tl.now()
+        self._wait_sending()                   # the previous layer's send must be delivered first
+        stamp, kv = self._message(k, v)
+        self._sending = [dist.isend(stamp, self.rank + 1), dist.isend(kv, self.rank + 1)]
+        self._keep = (stamp, kv)               # the buffers must live until the send completes
+        self.tl.add("send", t0, self.tl.now(), self.layer)
+
+    def send(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Send k, v to rank+1 and return once delivered; no-op on the last rank."""
+        if not self.has_next:
+            return
+        t0 = self.tl.now()
+        stamp, kv = self._message(k, v)
+        dist.send(stamp, self.rank + 1)
+        dist.send(kv, self.rank + 1)
+        if self.link is not None:              # a blocking send holds the sender for the whole transfer
+            time.sleep(self.link.transfer_s(nbytes(kv), self.rank, self.rank + 1, self.rng))
+        self.tl.add("send", t0, self.tl.now(), self.layer)
+
+    def _wait_sending(self) -> None:
+        for r in self._sending:
+            r.wait()
+        self._sending = []
+
+    def finish(self) -> None:
+        if self._sending:
+            t0 = self.tl.now()
+            self._wait_sending()
+            self.tl.add("send_wait", t0, self.tl.now(), None)

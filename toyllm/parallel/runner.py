@@ -1,0 +1,400 @@
+"""Running a parallel prefill: build the model in each process, time repeated runs, gather the results.
+
+``parallel_prefill`` checks the request in the calling process, starts (or
+reuses) the worker processes, runs ``prefill_rank`` on every rank and merges
+what they return into one ``PrefillResult``. ``prefill_rank`` is the
+per-rank loop: embed this rank's tokens, call the step
+(``toyllm.parallel.steps``) once per layer, and on the last rank project the
+last position to logits and optionally keep decoding from the cache.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..attention import ATTENTION_KERNELS
+from ..cache import DynamicKVCache
+from ..generation import generate
+from ..launch import RankContext, WorkerPool, init_from_env, run_parallel, to_cpu
+from ..model import get_config
+from ..partition import even_partition, validate_partition
+from ..timeline import Timeline
+from ..utils import random_prompt
+from .comm import AllGather, Chain, LinkModel
+from .steps import STEPS, RankPositions
+
+METHODS = ("single", "tsp", "kvr")
+
+
+# --------------------------------------------------------------------------- what to run
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How each worker builds its copy of the model (models are rebuilt, not pickled)."""
+
+    name: str = "tiny"
+    seed: int = 0
+    attention: str = "dense"
+    overrides: tuple = ()        # ModelConfig fields to change, as (name, value) pairs
+
+    @property
+    def config(self):
+        """The ModelConfig this spec builds (checked: unknown presets and bad overrides raise ValueError)."""
+        cfg = get_config(self.name)
+        return cfg.with_(**dict(self.overrides)) if self.overrides else cfg
+
+    def build(self):
+        return _build_model(self)
+
+
+@functools.lru_cache(maxsize=4)
+def _build_model(spec: ModelSpec):
+    # Cached per process, so a pool worker builds a model once across many tasks.
+    from ..model import build_model
+    from ..weights import load_model
+
+    if spec.overrides:
+        return build_model(spec.config, spec.seed, spec.attention)
+    return load_model(spec.name, attention=spec.attention, seed=spec.seed)[0]
+
+
+@dataclass(kw_only=True)
+class PrefillResult:
+    method: str
+    world_size: int
+    context: int                           # tokens
+    partition: list[int]                   # tokens per rank
+    threads_per_rank: int
+    ttft_s: float                          # median over the timed runs (seconds)
+    ttft_runs: list[float]                 # seconds, one per timed run
+    first_token: int
+    logits: torch.Tensor = field(repr=False)            # (vocab,) float32 at the last prompt position
+    timeline: list[dict] = field(default_factory=list, repr=False)   # events of the last run, all ranks
+    kv_cache: DynamicKVCache | None = field(default=None, repr=False)  # the last rank's, (1, Hkv, C, D) per layer
+    decoded: list[int] | None = None       # tokens generated after the prefill (on the last rank)
+    overlap: bool = True
+    link: dict | None = None
+    max_abs_logit_diff: float | None = None
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k not in ("logits", "kv_cache")}
+
+
+# --------------------------------------------------------------------------- checking a request (before any process starts)
+
+def check_prefill_request(spec: ModelSpec, ids, method: str, world_size: int, partition=None, *,
+                          decode_tokens: int = 0) -> list[int]:
+    """Check everything about a request that can be checked in this process; return the partition.
+
+    Raises ValueError naming the parameter, the value and what is allowed.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {list(METHODS)}")
+    if spec.attention not in ATTENTION_KERNELS:
+        raise ValueError(f"unknown attention kernel {spec.attention!r}; choose one of {sorted(ATTENTION_KERNELS)}")
+    cfg = spec.config
+    C = len(ids)
+    if C < 1:
+        raise ValueError("the prompt is empty: give at least one token")
+    if C > cfg.max_context:
+        raise ValueError(f"context of {C} tokens is longer than {spec.name}'s max_context ({cfg.max_context} tokens)")
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise ValueError(f"token ids must be integers in [0, {cfg.vocab_size}) for {spec.name}, got {bad[:5]}")
+    if isinstance(decode_tokens, bool) or not isinstance(decode_tokens, int) or decode_tokens < 0:
+        raise ValueError(f"decode_tokens must be an integer >= 0, got {decode_tokens!r}")
+    if C + decode_tokens > cfg.max_context:
+        raise ValueError(f"context ({C} tokens) + decode_tokens ({decode_tokens}) exceeds {spec.name}'s "
+                         f"max_context ({cfg.max_context}); decode at most {cfg.max_context - C} tokens")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world size must be an integer >= 1, got {world_size!r}")
+    if method == "single" and world_size != 1:
+        raise ValueError(f"method 'single' runs one process; got world size {world_size}")
+    if world_size > C:
+        raise ValueError(f"world size {world_size} > context {C}: every rank needs at least one token")
+    if partition is None:
+        return even_partition(C, world_size)
+    return validate_partition(list(partition), context=C, world_size=world_size)
+
+
+# --------------------------------------------------------------------------- plugging in a step
+
+def step_reference(step: str | Callable | None) -> str | None:
+    """A step as a string every process can import: "package.module:function" or "path/file.py:function".
+
+    Worker processes are started fresh (spawn), so a step travels by name,
+    not by value; this checks in the calling process that the name resolves.
+    """
+    if step is None:
+        return None
+    if isinstance(step, str):
+        ref = step
+    elif callable(step) and getattr(step, "__name__", "<lambda>") != "<lambda>" and "<locals>" not in step.__qualname__:
+        ref = f"{step.__module__}:{step.__qualname__}"
+        try:
+            same = resolve_step(ref) is step
+        except (ImportError, AttributeError, ValueError):
+            same = False
+        if not same:   # e.g. a module loaded from a file: point at the file instead
+            source = getattr(getattr(step, "__code__", None), "co_filename", "")
+            if not source.endswith(".py") or not Path(source).is_file():
+                raise ValueError(f"step {step!r} cannot be found by a new process; define it at the top level "
+                                 "of a .py file")
+            ref = f"{Path(source).resolve()}:{step.__qualname__}"
+    else:
+        raise ValueError(f"step must be a function defined at the top level of a .py file or a "
+                         f"'module:function' string, got {step!r}")
+    resolve_step(ref)   # fail here, with a clear message, rather than in every worker
+    return ref
+
+
+@functools.lru_cache(maxsize=16)
+def resolve_step(ref: str) -> Callable:
+    """The function a step reference names (see ``step_reference``)."""
+    where, _, name = ref.rpartition(":")
+    if not where or not name:
+        raise ValueError(f"a step reference looks like 'package.module:function' or 'path/file.py:function', got {ref!r}")
+    if where.endswith(".py"):
+        spec = importlib.util.spec_from_file_location(f"_toyllm_step_{abs(hash(where))}", where)
+        if spec is None or not Path(where).is_file():
+            raise ValueError(f"step file {where} does not exist")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    fn = module
+    for part in name.split("."):
+        fn = getattr(fn, part, None)
+    if not callable(fn):
+        raise ValueError(f"{where} has no function {name!r}")
+    return fn
+
+
+# --------------------------------------------------------------------------- one rank's work
+
+class _TimedBlock:
+    """A Block whose three steps record compute spans on the rank's timeline."""
+
+    def __init__(self, block, timeline: Timeline, layer: int):
+        self.block, self.tl, self.layer = block, timeline, layer
+
+    def qkv(self, *args):
+        with self.tl.span("compute", self.layer, "qkv"):
+            return self.block.qkv(*args)
+
+    def attend(self, *args):
+        with self.tl.span("compute", self.layer, "attention"):
+            return self.block.attend(*args)
+
+    def finish(self, *args):
+        with self.tl.span("compute", self.layer, "mlp"):
+            return self.block.finish(*args)
+
+
+@torch.no_grad()
+def prefill_rank(ctx: RankContext, spec: ModelSpec, ids: list[int], method: str, chunks: list[int], *,
+                 overlap: bool = True, step: str | None = None, link: LinkModel | None = None, repeat: int = 1,
+                 warmup: int = 1, return_cache: bool = False, decode_tokens: int = 0) -> dict:
+    """The worker function: one rank's part of a parallel prefill, run ``warmup + repeat`` times.
+
+    Returns this rank's seconds per run and timeline; the last rank also
+    returns the first-token logits (and optionally its KV cache and the
+    tokens it decodes from that cache).
+    """
+    model = spec.build().to(ctx.device)
+    rank, p = ctx.rank, ctx.world_size
+    if len(chunks) != p:
+        raise ValueError(f"partition has {len(chunks)} chunks for world size {p}")
+    layer_step = resolve_step(step) if step else STEPS[(method, overlap)]
+    start = sum(chunks[:rank])
+    ids_t = torch.tensor([ids[start:start + chunks[rank]]], device=ctx.device)
+    q_pos = model.positions(start, chunks[rank])
+    pos = RankPositions(q_pos, model.rope_cos[q_pos], model.rope_sin[q_pos], start, sum(chunks))
+    cfg = model.config
+    runs, tl = [], Timeline(rank)
+    for run in range(warmup + repeat):
+        rng = random.Random(hash((link.seed if link else 0, run)))   # the same draws on every rank
+        if method == "tsp":
+            comm = AllGather(rank, chunks, tl, link, rng)
+        else:
+            comm = Chain(rank, chunks, tl, batch=1, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                         dtype=model.rope_cos.dtype, device=ctx.device, link=link, rng=rng)
+        cache = DynamicKVCache(cfg.n_layers)
+        dist.barrier()
+        tl.reset()
+        with tl.span("compute", None, "embed"):
+            x = model.embed(ids_t)                                      # (1, c_i, d_model)
+        for i, block in enumerate(model.layers):
+            comm.layer = i
+            x, k, v = layer_step(_TimedBlock(block, tl, i), x, pos, comm, model.attention)
+            cache.update(i, k, v)
+        comm.finish()
+        logits = None
+        if rank == p - 1:
+            with tl.span("compute", None, "lm_head"):
+                logits = model.head(x[:, -1:])[0, -1]                   # only the position that picks the token
+        if run >= warmup:
+            runs.append(tl.now())
+    out = {"rank": rank, "runs_s": runs, "events": tl.to_dicts()}
+    if rank == p - 1:
+        _check_step_output(cache, sum(chunks), cfg)
+        out["logits"] = logits
+        if return_cache:
+            out["kv_cache"] = [(k.clone(), v.clone()) for k, v in cache]
+        if decode_tokens:
+            out["decoded"] = generate(model, ids, decode_tokens, cache=cache, prefilled_logits=logits).output_ids
+    return out
+
+
+def _check_step_output(cache: DynamicKVCache, context: int, cfg) -> None:
+    """The last rank must hold keys and values of the whole context: a clear error if a step got it wrong."""
+    k = cache.keys(0)
+    expected = (1, cfg.n_kv_heads, context, cfg.head_dim)
+    if tuple(k.shape) != expected:
+        raise ValueError(f"after the prefill the last rank's keys have shape {tuple(k.shape)}, expected {expected} "
+                         "(batch, kv heads, every token of the context, head_dim): a step must return the keys "
+                         "and values of every token this rank attended over")
+
+
+# --------------------------------------------------------------------------- the public entry points
+
+@torch.no_grad()
+def single_prefill(model, ids: list[int]) -> tuple[torch.Tensor, DynamicKVCache]:
+    """The one-process reference: last-position logits (vocab,) and the KV cache of the whole prompt.
+
+    It does only the work a user needs: the last position alone is projected
+    to the vocabulary, as on the parallel ranks.
+    """
+    cache = DynamicKVCache(model.config.n_layers)
+    logits = model(torch.tensor([ids]), input_pos=0, cache=cache, last_only=True)[0, -1]
+    return logits, cache
+
+
+def parallel_prefill(spec: ModelSpec | str, ids: list[int], method: str = "kvr", world_size: int = 2,
+                     partition: list[int] | None = None, *, overlap: bool = True, step: str | Callable | None = None,
+                     link: LinkModel | None = None, repeat: int = 1, warmup: int = 1, threads_per_rank: int = 1,
+                     backend: str = "auto", return_cache: bool = False, decode_tokens: int = 0,
+                     pool: WorkerPool | None = None, timeout_s: float = 300.0) -> PrefillResult:
+    """Prefill ``ids`` on ``world_size`` processes with "tsp" or "kvr" (or "single": this process).
+
+    partition: tokens per rank (default: even split). overlap: KVR posts its
+    receives early and sends without waiting (False: blocking). step: your
+    own per-layer step (see ``toyllm.parallel.steps``) instead of the
+    engine's. repeat: timed runs, after ``warmup`` untimed ones, in the same
+    processes. pool: reuse a running WorkerPool of the right size instead of
+    starting processes. Everything is checked here, before any work starts.
+    """
+    spec = ModelSpec(spec) if isinstance(spec, str) else spec
+    ids = [int(t) if not isinstance(t, bool) and hasattr(t, "__index__") else t for t in ids]
+    chunks = check_prefill_request(spec, ids, method, world_size, partition, decode_tokens=decode_tokens)
+    if method == "single":
+        if step is not None:
+            raise ValueError("step= plugs a per-layer step into a parallel method ('tsp' or 'kvr'), not 'single'")
+        return _single(spec, ids, repeat=repeat, warmup=warmup, threads=threads_per_rank,
+                       return_cache=return_cache, decode_tokens=decode_tokens)
+    if pool is not None and pool.world_size != world_size:
+        raise ValueError(f"the pool has {pool.world_size} processes but world size is {world_size}")
+    kwargs = dict(overlap=overlap, step=step_reference(step), link=link, repeat=repeat, warmup=warmup,
+                  return_cache=return_cache, decode_tokens=decode_tokens)
+    args = (spec, list(ids), method, chunks)
+    if pool is not None:
+        outs = pool.run(prefill_rank, args, kwargs, timeout_s=timeout_s)
+    else:
+        outs = run_parallel(prefill_rank, world_size, args, kwargs, backend=backend, timeout_s=timeout_s,
+                            threads_per_rank=threads_per_rank)
+    return _merge(outs, method=method, chunks=chunks, threads=threads_per_rank, overlap=overlap, link=link)
+
+
+def _merge(outs, *, method, chunks, threads, overlap, link) -> PrefillResult:
+    # TTFT of a run: the slowest rank's time (all ranks started together after a barrier).
+    runs = [max(o["runs_s"][r] for o in outs) for r in range(len(outs[0]["runs_s"]))]
+    last = outs[-1]
+    cache = DynamicKVCache.from_layers(last["kv_cache"]) if last.get("kv_cache") else None
+    return PrefillResult(method=method, world_size=len(chunks), context=sum(chunks), partition=list(chunks),
+                         threads_per_rank=threads, ttft_s=statistics.median(runs), ttft_runs=runs,
+                         first_token=int(last["logits"].argmax()), logits=last["logits"],
+                         timeline=[e for o in outs for e in o["events"]], kv_cache=cache,
+                         decoded=last.get("decoded"), overlap=overlap, link=asdict(link) if link else None)
+
+
+def _single(spec, ids, *, repeat, warmup, threads, return_cache, decode_tokens) -> PrefillResult:
+    model = spec.build()
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        runs = []
+        for r in range(warmup + repeat):
+            t0 = time.perf_counter()
+            logits, cache = single_prefill(model, ids)
+            if r >= warmup:
+                runs.append(time.perf_counter() - t0)
+        decoded = (generate(model, ids, decode_tokens, cache=cache, prefilled_logits=logits).output_ids
+                   if decode_tokens else None)
+    finally:
+        torch.set_num_threads(old)
+    events = [{"rank": 0, "kind": "compute", "start_s": 0.0, "end_s": runs[-1], "layer": None, "label": "prefill"}]
+    return PrefillResult(method="single", world_size=1, context=len(ids), partition=[len(ids)],
+                         threads_per_rank=threads, ttft_s=statistics.median(runs), ttft_runs=runs,
+                         first_token=int(logits.argmax()), logits=logits, timeline=events,
+                         kv_cache=cache if return_cache else None, decoded=decoded)
+
+
+def torchrun_main(spec: ModelSpec, ids, method, chunks, *, overlap=True, link=None, repeat=1, warmup=1,
+                  backend="auto", timeout_s=120.0):
+    """Entry under ``torchrun``: this process is one rank; rank 0 returns the merged result, others None."""
+    ctx = init_from_env(backend, timeout_s)
+    try:
+        if ctx.world_size != len(chunks):
+            raise ValueError(f"torchrun started {ctx.world_size} processes but the partition has {len(chunks)} chunks")
+        out = prefill_rank(ctx, spec, ids, method, chunks, overlap=overlap, link=link, repeat=repeat, warmup=warmup)
+        out = to_cpu(out)   # gather_object pickles: no GPU tensors
+        gathered = [None] * ctx.world_size if ctx.rank == 0 else None
+        dist.gather_object(out, gathered, dst=0)
+        if ctx.rank == 0:
+            return _merge(gathered, method=method, chunks=chunks, threads=torch.get_num_threads(),
+                          overlap=overlap, link=link)
+        return None
+    finally:
+        dist.destroy_process_group()
+
+
+def demo_prefill(context: int = 2048, spec: ModelSpec | None = None) -> None:
+    """The demo's last part: one process vs TSP vs KVR on 2 processes, same first token."""
+    spec = spec or ModelSpec("bench")
+    ids = random_prompt(context, spec.config.vocab_size)
+    single = parallel_prefill(spec, ids, "single", 1, repeat=2)
+    with WorkerPool(2, threads_per_rank=1) as pool:
+        tsp = parallel_prefill(spec, ids, "tsp", 2, repeat=2, pool=pool)
+        kvr = parallel_prefill(spec, ids, "kvr", 2, repeat=2, pool=pool)
+        cut = int(context * 0.56)
+        kvr_s = parallel_prefill(spec, ids, "kvr", 2, [cut, context - cut], repeat=2, pool=pool)
+    print(f"bench preset, {context}-token prompt, dense attention, 1 thread per process "
+          "(every method projects only the last position to logits):")
+    for name, r in [("one process", single), ("TSP, even split", tsp), ("KVR, even split", kvr),
+                    (f"KVR, split {kvr_s.partition}", kvr_s)]:
+        diff = (r.logits - single.logits).abs().max().item()
+        print(f"  {name:<26} TTFT {r.ttft_s:6.3f} s   first token {r.first_token:3d}   max |logit diff| {diff:.1e}")
+
+
+def measured_cost(spec: ModelSpec | str, ids: list[int], pool: WorkerPool, method: str = "kvr",
+                  repeat: int = 3, **kw):
+    """A cost function for the partition searches: median TTFT (seconds) of real runs in ``pool``.
+
+    The pool's processes and model copies stay alive across evaluations, so
+    a search pays the start-up once.
+    """
+    def cost(chunks: list[int]) -> float:
+        return parallel_prefill(spec, ids, method, pool.world_size, list(chunks), repeat=repeat,
+                                pool=pool, **kw).ttft_s
+
+    return cost
