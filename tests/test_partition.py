@@ -339,15 +339,15 @@ def test_table_errors():
         PartitionTable(0)
 
 
-def test_layer_costs_for_the_paper_example_on_the_tiny_model():
-    from toyllm.analysis import prefill_flops
-    from toyllm.model import get_config
-    from toyllm.partition import layer_costs
+def test_search_partition_picks_the_search_by_world_size():
+    from toyllm.partition import search_partition
 
-    cfg = get_config("tiny")                     # d 64, 4 heads, 2 kv heads, head_dim 16, ffn 128
-    kvr = layer_costs(cfg, [4, 3, 2], "kvr")
-    assert [r["dot_products"] for r in kvr] == [16, 21, 18]
-    assert [r["bytes_sent"] for r in kvr] == [8 * 32 * 4, 14 * 32 * 4, 0]   # rows * (2 kv heads * 16) * 4 bytes
-    # one process over all 9 tokens: every layer's FLOPs add up to the whole forward pass (head excluded)
-    single = layer_costs(cfg, [9], "kvr")[0]
-    assert cfg.n_layers * single["flops"] == prefill_flops(cfg, 9, include_head=False)
+    def cost(chunks):                     # KVR-like: the slowest rank's c_i * (s_i + c_i), optimum known
+        return max(dot_products(chunks, "kvr"))
+
+    two = search_partition(cost, 64, 2, min_stride=1)
+    assert two.cost_s == 1600 and two.partition in ([39, 25], [40, 24])     # c_0^2 = 64 c_1 near c_0 = 39.5
+    three = search_partition(cost, 60, 3, min_stride=1)
+    assert three.cost_s <= cost([20, 20, 20]) and sum(three.partition) == 60
+    with pytest.raises(ValueError, match="at least 2 processes"):
+        search_partition(cost, 60, 1)

@@ -32,7 +32,7 @@ def rank_kind_seconds(result: SimResult, rank: int, kind: str, label_start: str 
 def test_single_process_ttft_is_the_sum_of_its_compute():
     C, L = 1000, BENCH.n_layers
     res = simulate_prefill(BENCH, [C], "single", CPU_LIKE)
-    expected = L * (CPU_LIKE.layer_overhead_s + CPU_LIKE.linear_s_per_token * C + CPU_LIKE.attn_s_per_dot * C * C)
+    expected = L * (CPU_LIKE.layer_overhead_s + (CPU_LIKE.qkv_s_per_token + CPU_LIKE.mlp_s_per_token) * C + CPU_LIKE.attn_s_per_dot * C * C)
     assert res.ttft_s == pytest.approx(expected, rel=1e-12)
     assert res.ttft_s == pytest.approx(sum(e.duration_s for e in res.events if e.kind == "compute"), rel=1e-12)
     assert {e.kind for e in res.events} == {"compute"}
@@ -186,7 +186,7 @@ def test_compare_methods_orders_the_methods():
 def test_cost_model_round_trip_and_errors():
     d = CPU_LIKE.to_dict()
     assert CostModel.from_dict(d) == CPU_LIKE
-    assert CPU_LIKE.linear_s_per_token == pytest.approx(12e-6)
+    assert CPU_LIKE.qkv_s_per_token + CPU_LIKE.mlp_s_per_token == pytest.approx(12e-6)
     assert CPU_LIKE.transfer_s(3e6) == pytest.approx(1e-3 + 50e-6)
     with pytest.raises(ValueError, match="unknown CostModel fields"):
         CostModel.from_dict({**d, "flops": 1})

@@ -190,12 +190,6 @@ def roofline_time_s(flops: float, bytes_moved: float, peak_flops: float, bandwid
 
 # --------------------------------------------------------------------------- model FLOPs
 
-def _matmul_params_per_layer(cfg: ModelConfig) -> int:
-    attn = cfg.d_model * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)   # wq, wk, wv, wo
-    mlp = 3 * cfg.d_model * cfg.ffn_dim                                          # gate, up, down
-    return attn + mlp
-
-
 def model_flops_per_token(cfg: ModelConfig, include_head: bool = True) -> int:
     """Matmul FLOPs per token outside attention scores: 2 * (weights the token is multiplied by).
 
@@ -204,7 +198,7 @@ def model_flops_per_token(cfg: ModelConfig, include_head: bool = True) -> int:
     neither is attention over the context, which depends on its length
     (see ``prefill_flops``).
     """
-    params = cfg.n_layers * _matmul_params_per_layer(cfg)
+    params = cfg.n_layers * cfg.matmul_params_per_layer
     if include_head:
         params += cfg.vocab_size * cfg.d_model
     return 2 * params

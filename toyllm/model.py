@@ -54,12 +54,21 @@ class ModelConfig:
         return replace(self, **changes)
 
     @property
+    def qkv_params_per_layer(self) -> int:
+        """Weights of one layer's q, k and v projections: d_model * head_dim * (H + 2 Hkv)."""
+        return self.d_model * self.head_dim * (self.n_heads + 2 * self.n_kv_heads)
+
+    @property
+    def matmul_params_per_layer(self) -> int:
+        """Weights every token of one layer is multiplied by: q, k, v, o projections and the SwiGLU MLP."""
+        o_proj = self.n_heads * self.head_dim * self.d_model
+        return self.qkv_params_per_layer + o_proj + 3 * self.d_model * self.ffn_dim
+
+    @property
     def n_params(self) -> int:
         """Number of parameters (tied embeddings counted once)."""
-        d, hd = self.d_model, self.head_dim
-        attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
-        mlp = 3 * d * self.ffn_dim
-        per_layer = attn + mlp + 2 * d
+        d = self.d_model
+        per_layer = self.matmul_params_per_layer + 2 * d          # + the two RMSNorm weights
         head = 0 if self.tie_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.n_layers * per_layer + d + head
 

@@ -205,24 +205,6 @@ def kv_rows_sent(chunks: Sequence[int], method: str) -> list[int]:
     return [2 * e if i < p - 1 else 0 for i, e in enumerate(ends)]
 
 
-def layer_costs(cfg, chunks: Sequence[int], method: str, bytes_per_value: int = 4) -> list[dict]:
-    """FLOPs and network bytes of one layer on each rank, for a ``ModelConfig``.
-
-    flops: matmuls of the rank's c_i tokens (q, k, v, o projections and the
-    MLP: 2 FLOPs per weight per token) plus dense attention, 4 * head_dim
-    FLOPs per query-key pair and query head (QK^T and the product with V).
-    bytes_sent: the rank's K and V rows (``kv_rows_sent``), each
-    n_kv_heads * head_dim values of ``bytes_per_value`` bytes.
-    """
-    dots = dot_products(chunks, method)
-    rows = kv_rows_sent(chunks, method)
-    d, hd = cfg.d_model, cfg.head_dim
-    weights = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.ffn_dim
-    return [{"tokens": c, "dot_products": n, "flops": 2 * weights * c + 4 * hd * cfg.n_heads * n,
-             "kv_rows_sent": r, "bytes_sent": r * cfg.n_kv_heads * hd * bytes_per_value}
-            for c, n, r in zip(validate_partition(chunks), dots, rows)]
-
-
 def net_tsp(context: int, world_size: int) -> int:
     """Paper's Net_tsp: rows of one tensor (K, or V) that an even TSP all-gather moves, ``(p-1) * C``."""
     C, p = _check_context_and_world(context, world_size)
@@ -538,3 +520,22 @@ class PartitionTable:
 
     def __repr__(self) -> str:
         return f"PartitionTable(world_size={self.world_size}, contexts={self.contexts})"
+
+
+def search_partition(cost: CostFn, context: int, world_size: int, min_stride: int | None = None,
+                     span: int | None = None, progress: bool = False) -> SearchResult:
+    """The search to use for ``world_size`` processes: the 1-D boundary search for 2, the grid search above.
+
+    min_stride: the finest step in tokens (default C/256, at least 1).
+    span: grid half-width for 3+ processes (default 2 up to 4 processes,
+    else 1: 5^7 = 78,125 points per level for 8 processes would take
+    minutes even in the simulator, 3^7 = 2,187 take seconds).
+    """
+    C, p = _check_context_and_world(context, world_size)
+    if p < 2:
+        raise ValueError(f"a partition search needs at least 2 processes, got world size {p}")
+    step = max(1, C // 256) if min_stride is None else min_stride
+    if p == 2:
+        return search_boundary_1d(cost, C, min_stride=step, progress=progress)
+    span = (2 if p <= 4 else 1) if span is None else span
+    return hierarchical_grid_search(cost, C, p, min_stride=step, span=span, progress=progress)

@@ -40,8 +40,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .model import ModelConfig
-from .partition import (even_partition, hierarchical_grid_search, prefixes, search_boundary_1d,
-                        ttft_lower_bound, validate_partition)
+from .partition import even_partition, prefixes, search_partition, ttft_lower_bound, validate_partition
 from .timeline import Event
 
 SIM_METHODS = ("single", "tsp", "kvr")
@@ -85,11 +84,6 @@ class CostModel:
             raise ValueError(f"CostModel.link_bandwidth_bytes_per_s must be positive (bytes/s), got {bw!r}")
         if self.bytes_per_value <= 0:
             raise ValueError(f"CostModel.bytes_per_value must be positive, got {self.bytes_per_value!r}")
-
-    @property
-    def linear_s_per_token(self) -> float:
-        """All per-token work of a layer outside attention scores (seconds per token)."""
-        return self.qkv_s_per_token + self.mlp_s_per_token
 
     def with_(self, **changes) -> "CostModel":
         """A copy with some fields changed, e.g. ``cm.with_(link_bandwidth_bytes_per_s=10e9)``."""
@@ -197,10 +191,10 @@ def a100_like(cfg: ModelConfig, mfu: float = 0.5, link_bandwidth_bytes_per_s: fl
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu must be in (0, 1], got {mfu}")
     flops = 312e12 * mfu
-    d, hd = cfg.d_model, cfg.head_dim
-    return CostModel(qkv_s_per_token=2 * d * hd * (cfg.n_heads + 2 * cfg.n_kv_heads) / flops,
-                     mlp_s_per_token=2 * d * (cfg.n_heads * hd + 3 * cfg.ffn_dim) / flops,
-                     attn_s_per_dot=4 * cfg.n_heads * hd / flops,
+    qkv = cfg.qkv_params_per_layer
+    return CostModel(qkv_s_per_token=2 * qkv / flops,
+                     mlp_s_per_token=2 * (cfg.matmul_params_per_layer - qkv) / flops,   # o_proj and the MLP
+                     attn_s_per_dot=4 * cfg.n_heads * cfg.head_dim / flops,
                      layer_overhead_s=layer_overhead_s,
                      link_bandwidth_bytes_per_s=link_bandwidth_bytes_per_s,
                      link_latency_s=link_latency_s, bytes_per_value=2,
@@ -393,12 +387,7 @@ def compare_methods(cfg: ModelConfig, context: int, world_size: int, cost_model:
     """
     even = even_partition(context, world_size)
     cost = ttft_cost(cfg, cost_model, "kvr", link_noise=link_noise)
-    step = max(1, context // 256) if min_stride is None else min_stride
-    if world_size == 2:
-        found = search_boundary_1d(cost, context, min_stride=step)
-    else:
-        span = (2 if world_size <= 4 else 1) if span is None else span
-        found = hierarchical_grid_search(cost, context, world_size, min_stride=step, span=span)
+    found = search_partition(cost, context, world_size, min_stride=min_stride, span=span)
     single = simulate_prefill(cfg, [context], "single", cost_model, record_events=False).ttft_s
     tsp = simulate_prefill(cfg, even, "tsp", cost_model, link_noise=link_noise, record_events=False).ttft_s
     return {"context": context, "world_size": world_size, "single": single, "tsp": tsp,

@@ -39,10 +39,9 @@ class Event:
 class Timeline:
     """Records the events of one rank against ``origin`` (a ``time.perf_counter()`` value)."""
 
-    def __init__(self, rank: int, origin: float | None = None, enabled: bool = True):
+    def __init__(self, rank: int, origin: float | None = None):
         self.rank = rank
         self.origin = time.perf_counter() if origin is None else origin
-        self.enabled = enabled
         self.events: list[Event] = []
 
     def reset(self, origin: float | None = None) -> None:
@@ -54,8 +53,7 @@ class Timeline:
         return time.perf_counter() - self.origin
 
     def add(self, kind: str, start_s: float, end_s: float, layer: int | None = None, label: str = "") -> None:
-        if self.enabled:
-            self.events.append(Event(self.rank, kind, start_s, end_s, layer, label))
+        self.events.append(Event(self.rank, kind, start_s, end_s, layer, label))
 
     @contextmanager
     def span(self, kind: str, layer: int | None = None, label: str = ""):
