@@ -7,6 +7,7 @@ between numbers measured in the same run. Nothing here is asserted by tests.
 """
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import statistics
@@ -66,45 +67,58 @@ TOY_512 = ModelConfig(vocab_size=256, d_model=512, n_layers=4, n_heads=8, n_kv_h
                       ffn_dim=2048, max_context=1024)
 
 
-def bench_generation(quick: bool = False) -> str:
+def bench_generation(quick: bool = False) -> dict:
+    """Naive vs cached generation on three toy widths, and SmolLM2's decode speed (seconds, medians)."""
+    from .generation import generate
     from .weights import load_model
 
     repeats = 1 if quick else 3
-    lines = ["## Naive generation vs KV cache", "",
-             "Greedy generation of 256 new tokens after a 64-token random prompt, dense attention, "
-             f"{torch.get_num_threads()} intra-op threads, median of {repeats} runs after a warm-up. Both methods produce the same tokens "
-             "(checked in the same run).", "",
-             "| model | naive (s) | cached (s) | speedup | identical tokens |", "|---|---|---|---|---|"]
+    new_tokens = 64 if quick else 256
     models = [(name, load_model(name)[0]) for name in ("tiny", "bench")]
     models.append((f"toy-512 ({TOY_512.d_model} wide, {TOY_512.n_layers} layers, MLP {TOY_512.ffn_dim})",
                    build_model(TOY_512)))
-    speedups = {}
+    rows = []
     for name, model in models:
-        r = naive_vs_cached(model, 64, 64 if quick else 256, repeats)
-        speedups[name] = r["speedup"]
-        lines.append(f"| {name} | {r['naive_s']:.3f} | {r['cached_s']:.3f} | {r['speedup']:.1f}x | {r['identical']} |")
-        print(lines[-1], flush=True)
-    best = max(speedups, key=speedups.get)
-    lines += ["", f"Target: the cache at least 10x faster than naive on a small toy model. Best here: "
-              f"{speedups[best]:.1f}x on {best}, which {'meets' if speedups[best] >= 10 else 'does not meet'} it."]
-    lines += ["", "A cached decode step pays a fixed cost per operator (Python and PyTorch dispatch) "
-              "whatever the model's width; a naive step costs the whole prefix's compute. So the speedup grows with "
-              "the work per token: modest on the 64-wide tiny model, large once a layer is a few hundred wide."]
-
+        rows.append({"name": name, **naive_vs_cached(model, 64, new_tokens, repeats)})
+        _progress(rows[-1])
     model, tok = load_model("smollm2-135m")
-    from .generation import generate
-
     ids = tok.encode_chat("Write a short poem about the sea.")
     n = 16 if quick else 64
     results = [generate(model, ids, n) for _ in range(repeats + 1)][1:]
-    tpot = statistics.median(r.tpot_s for r in results)
-    ttft = statistics.median(r.ttft_s for r in results)
-    lines += ["", "SmolLM2-135M (float32 weights dequantized from Q4_1/Q8_0), chat prompt of "
-              f"{len(ids)} tokens, {n} new tokens, cached greedy decoding:", "",
-              "| TTFT (ms) | time per output token (ms) | decode tokens/s |", "|---|---|---|",
-              f"| {ttft * 1e3:.1f} | {tpot * 1e3:.1f} | {1 / tpot:.1f} |"]
-    print(lines[-1], flush=True)
-    return "\n".join(lines)
+    smol = {"prompt_len": len(ids), "new_tokens": n, "ttft_s": statistics.median(r.ttft_s for r in results),
+            "tpot_s": statistics.median(r.tpot_s for r in results)}
+    _progress(smol)
+    return {"prompt_len": 64, "new_tokens": new_tokens, "threads": torch.get_num_threads(), "repeats": repeats,
+            "rows": rows, "best": max(rows, key=lambda r: r["speedup"]), "smol": smol}
+
+
+def bench_first_token(quick: bool = False) -> dict:
+    """SmolLM2 prefill with the whole T x vocab logits matrix vs the last position only (seconds)."""
+    from .analysis import prefill_flops
+    from .weights import load_model
+
+    model, tok = load_model("smollm2-135m")
+    repeats = 2 if quick else 5
+    prompts = [("chat: What is the capital of France?", tok.encode_chat("What is the capital of France?")),
+               ("random", random_prompt(256 if quick else 1024, model.config.vocab_size))]
+    rows = []
+    for name, ids in prompts:
+        x = torch.tensor([ids])
+        times = {True: [], False: []}
+        with torch.no_grad():
+            for r in range(repeats + 1):            # alternate, so drift hits both ways alike; round 0 warms up
+                for last_only in (False, True):
+                    t0 = time.perf_counter()
+                    model(x, last_only=last_only)
+                    if r:
+                        times[last_only].append(time.perf_counter() - t0)
+        cfg = model.config
+        head = 2 * len(ids) * cfg.vocab_size * cfg.d_model
+        rows.append({"name": name, "tokens": len(ids), "all_s": statistics.median(times[False]),
+                     "last_s": statistics.median(times[True]), "head_gflop": head / 1e9,
+                     "total_gflop": prefill_flops(cfg, len(ids)) / 1e9})
+        _progress(rows[-1])
+    return {"threads": torch.get_num_threads(), "repeats": repeats, "vocab": model.config.vocab_size, "rows": rows}
 
 
 @contextmanager
@@ -129,8 +143,8 @@ def _single_s(spec, ids, threads: int, repeats: int, warmup: int = 1) -> float:
         return parallel_prefill(spec, ids, "kvr", 1, repeat=repeats, warmup=warmup, pool=pool).ttft_s
 
 
-def bench_prefill(quick: bool = False) -> str:
-    """TTFT of one process vs TSP vs KVR on 2 processes, bench preset, dense attention."""
+def bench_prefill(quick: bool = False) -> dict:
+    """TTFT of one process vs TSP vs KVR on 2 processes, bench preset, dense attention; then with sdpa."""
     from .partition import partition_from_ratios, ttft_lower_bound
 
     spec = ModelSpec("bench")
@@ -138,20 +152,9 @@ def bench_prefill(quick: bool = False) -> str:
     repeats = 1 if quick else 5
     warm = 1 if quick else 2      # this VM reclaims idle pages: a second warm-up steadies the first timed run
     sweep = (0.5, 0.55, 0.6) if quick else (0.5, 0.53, 0.56, 0.59, 0.62, 0.65)
-    lines = ["## Parallel prefill: one process vs TSP vs KV-Runahead (p = 2)", "",
-             "bench preset (d_model 256, 8 heads, 4 layers, MLP 256), dense attention (QK^T, then mask and "
-             "softmax) for every method, random prompt. Two processes with one intra-op thread each, gloo over "
-             f"loopback. TTFT in seconds, median of {repeats} runs after {warm} warm-up run(s) in the same processes. "
-             "KVR-best: the best boundary of a sweep over first-rank shares "
-             f"{', '.join(f'{r:.2f}' for r in sweep)} (each swept point timed with "
-             f"{max(1, repeats - 2)} run(s), the best re-timed). TTFT*(2) is the paper's lower bound "
-             "TTFT(1)/2 (1/2 + 1/4) from the one-thread single process.", "",
-             "| context | 1 proc, 1 thread | 1 proc, 2 threads | TSP | KVR-E | KVR-best (split) | "
-             "KVR-E vs TSP | KVR-best vs TSP | KVR-best vs 1 proc 2 threads | TTFT*(2) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
     rows = []
     for C in contexts:
-        ids = random_prompt(C, get_config("bench").vocab_size)
+        ids = random_prompt(C, spec.config.vocab_size)
         one = _single_s(spec, ids, 1, repeats, warm)
         two = _single_s(spec, ids, 2, repeats, warm)
         with _fresh_pool(spec, ids) as pool:                               # fresh processes per context
@@ -162,53 +165,30 @@ def bench_prefill(quick: bool = False) -> str:
             best_r = min(swept, key=swept.get)
             best_chunks = partition_from_ratios(C, [best_r, 1 - best_r])
             best = parallel_prefill(spec, ids, "kvr", 2, best_chunks, repeat=repeats, warmup=warm, pool=pool).ttft_s
-            rows.append({"context": C, "single_1t": one, "single_2t": two, "tsp": tsp, "kvr_even": kvr_e,
-                         "kvr_best": best, "kvr_best_chunks": best_chunks})
-            lines.append(f"| {C} | {one:.3f} | {two:.3f} | {tsp:.3f} | {kvr_e:.3f} | {best:.3f} {best_chunks} | "
-                         f"{tsp / kvr_e:.2f}x | {tsp / best:.2f}x | {two / best:.2f}x | "
-                         f"{ttft_lower_bound(one, 2):.3f} |")
-            print(lines[-1], flush=True)
-    last = rows[-1]
-    verdict = ("meets" if last["tsp"] / last["kvr_best"] >= 1.25 else "does not meet")
-    lines += ["", f"At {last['context']} tokens KVR with the best boundary is {last['tsp'] / last['kvr_best']:.2f}x "
-              f"faster than TSP, which {verdict} the 1.25x target. Ratios above 1 mean faster than the named "
-              "baseline. KVR wins because each rank computes only its own rectangle of the causal triangle "
-              "(c_i (s_i + c_i) dot products instead of c_i C) and sends only to its neighbour; an uneven split "
-              "(more tokens to rank 0) evens out the per-rank work."]
-    lines += _sdpa_rows(contexts[-2:], repeats, warm, rows)
-    return "\n".join(lines)
+        rows.append({"context": C, "single_1t": one, "single_2t": two, "tsp": tsp, "kvr_even": kvr_e,
+                     "kvr_best": best, "kvr_best_chunks": best_chunks, "lower_bound": ttft_lower_bound(one, 2)})
+        _progress(rows[-1])
+    return {"repeats": repeats, "warm": warm, "sweep": [f"{r:.2f}" for r in sweep],
+            "sweep_repeats": max(1, repeats - 2), "rows": rows, "sdpa": _sdpa_rows(contexts[-2:], repeats, warm, rows)}
 
 
-def _sdpa_rows(contexts, repeats: int, warm: int, dense_rows: list[dict]) -> list[str]:
+def _sdpa_rows(contexts, repeats: int, warm: int, dense_rows: list[dict]) -> list[dict]:
     """The same comparison with PyTorch's fused kernel, which lets one process skip the masked half."""
-
     spec = ModelSpec("bench", attention="sdpa")
-    lines = ["", "The same with `F.scaled_dot_product_attention` (`--attention sdpa`): a causal square "
-             "(`is_causal=True`, the single process and KVR's rank 0) may skip the masked half; the other "
-             "KVR ranks and every TSP rank pass an explicit mask for their rectangle.", "",
-             "| context | 1 proc, 2 threads, sdpa | TSP, sdpa | KVR at the dense best split, sdpa | "
-             "KVR vs TSP | KVR vs 1 proc 2 threads |", "|---|---|---|---|---|---|"]
     best = {r["context"]: r["kvr_best_chunks"] for r in dense_rows}
+    rows = []
     for C in contexts:
-        ids = random_prompt(C, get_config("bench").vocab_size)
+        ids = random_prompt(C, spec.config.vocab_size)
         two = _single_s(spec, ids, 2, repeats, warm)
         with _fresh_pool(spec, ids) as pool:
             tsp = parallel_prefill(spec, ids, "tsp", 2, repeat=repeats, warmup=warm, pool=pool).ttft_s
             kvr = parallel_prefill(spec, ids, "kvr", 2, best[C], repeat=repeats, warmup=warm, pool=pool).ttft_s
-        lines.append(f"| {C} | {two:.3f} | {tsp:.3f} | {kvr:.3f} {best[C]} | {tsp / kvr:.2f}x | {two / kvr:.2f}x |")
-        print(lines[-1], flush=True)
-    lines += ["", f"{_SDPA_LESSON} At {C} tokens one process with two threads takes {two:.3f} s against KVR's "
-              f"{kvr:.3f} s."]
-    return lines
+        rows.append({"context": C, "single_2t": two, "tsp": tsp, "kvr": kvr, "chunks": best[C]})
+        _progress(rows[-1])
+    return rows
 
 
-_SDPA_LESSON = ("With a kernel that skips masked work the single process no longer pays for the upper "
-                "triangle, which is exactly the waste KVR's rectangles avoid; the parallel ranks' masked "
-                "rectangles get no such shortcut, so here KVR keeps its lead over TSP but can lose to one "
-                "process.")
-
-
-def bench_search(quick: bool = False) -> str:
+def bench_search(quick: bool = False) -> dict:
     """Simulator vs measurement, measured vs simulated search, KVR-P vs KVR-S, simulated 8-GPU scaling."""
     from .analysis import LLAMA_7B
     from .partition import PartitionTable, partition_from_ratios, search_boundary_1d
@@ -220,49 +200,35 @@ def bench_search(quick: bool = False) -> str:
     sizes = (1024, 2048, 4096) if not quick else (256, 512)
     CostModel.calibrate(cfg, contexts=sizes, repeats=1)        # untimed: a fresh process runs slow at first
     cm = CostModel.calibrate(cfg, contexts=sizes, repeats=3)
-    lines = ["## Partition search: cost model, searches and the lookup table (p = 2)", "",
-             f"Cost model {cm.label}: qkv {cm.qkv_s_per_token * 1e6:.2f} us/token, after-attention "
-             f"{cm.mlp_s_per_token * 1e6:.2f} us/token, attention {cm.attn_s_per_dot * 1e9:.3f} ns per query-key "
-             f"pair, {cm.layer_overhead_s * 1e3:.3f} ms per layer, per layer and rank; link "
-             f"{cm.link_bandwidth_bytes_per_s / 1e9:g} GB/s + {cm.link_latency_s * 1e6:g} us (assumed). Measured "
-             f"TTFT: bench preset, two processes with one thread each, median of {repeats} runs after {warm} "
-             "warm-up run(s).", ""]
-    contexts = (1024, 2048) if quick else (2048, 4096, 8192)
-    lines += ["### Simulated vs measured TTFT", "", "| context | method | partition | simulated (s) | measured (s) | "
-              "error |", "|---|---|---|---|---|---|"]
-    errors = []
-    for C in contexts:
+    accuracy = []
+    for C in ((1024, 2048) if quick else (2048, 4096, 8192)):
         ids = random_prompt(C, cfg.vocab_size)
         with _fresh_pool(spec, ids) as pool:                               # fresh processes per context
             for method, ratio in [("tsp", 0.5), ("kvr", 0.5), ("kvr", 0.6), ("kvr", 0.7)]:
                 chunks = partition_from_ratios(C, [ratio, 1 - ratio])
                 sim = simulate_prefill(cfg, chunks, method, cm, record_events=False).ttft_s
                 real = measured_cost(spec, ids, pool, method, repeat=repeats, warmup=warm)(chunks)
-                errors.append(abs(sim - real) / real)
-                lines.append(f"| {C} | {method.upper()} | {chunks} | {sim:.3f} | {real:.3f} | {(sim - real) / real:+.1%} |")
-                print(lines[-1], flush=True)
-    lines += ["", f"Largest error {max(errors):.1%}, median {statistics.median(errors):.1%} "
-              f"(target: within 10%).", ""]
+                accuracy.append({"context": C, "method": method, "chunks": chunks, "sim": sim, "real": real})
+                _progress(accuracy[-1])
+    errors = [abs(r["sim"] - r["real"]) / r["real"] for r in accuracy]
 
     # KVR-S found by searching real runs vs by searching the simulator, then KVR-P from a table.
-    lines += ["### KVR-S: measured search vs simulated search; KVR-P from a lookup table", "",
-              "| context | search | partition | evaluations | measured TTFT (s) |", "|---|---|---|---|---|"]
     target, table_contexts = (1536, (1024, 2048)) if quick else (4096, (2048, 6144))
-    table = PartitionTable(2)
-    kvr_s = None
+    table, searches, kvr_s = PartitionTable(2), [], None
     for C in sorted({*table_contexts, target}):
         ids = random_prompt(C, cfg.vocab_size)
         with _fresh_pool(spec, ids) as pool:
             measure = measured_cost(spec, ids, pool, repeat=repeats, warmup=warm)
             real = search_boundary_1d(measure, C, min_stride=max(1, C // 64), progress=True)
-            lines.append(f"| {C} | measured | {real.partition} | {real.evaluations} | {real.cost_s:.3f} |")
-            print(lines[-1], flush=True)
+            searches.append({"context": C, "search": "measured", "chunks": real.partition,
+                             "evaluations": real.evaluations, "ttft": real.cost_s})
             if C in table_contexts:
                 table.add(C, real.partition)
             else:
                 kvr_s = real.partition
                 sim = search_boundary_1d(ttft_cost(cfg, cm), C, min_stride=max(1, C // 64))
-                lines.append(f"| {C} | simulated | {sim.partition} | {sim.evaluations} | {measure(sim.partition):.3f} |")
+                searches.append({"context": C, "search": "simulated", "chunks": sim.partition,
+                                 "evaluations": sim.evaluations, "ttft": measure(sim.partition)})
     # KVR-P: predict the target from the two neighbours, then time it side by side with KVR-S.
     predicted = table.predict(target)
     ids = random_prompt(target, cfg.vocab_size)
@@ -270,29 +236,54 @@ def bench_search(quick: bool = False) -> str:
         measure = measured_cost(spec, ids, pool, repeat=repeats, warmup=warm)
         rounds = [(measure(predicted), measure(kvr_s)) for _ in range(3)]   # alternate, so drift hits both
         t_p, t_s = (statistics.median(r[i] for r in rounds) for i in (0, 1))
-    lines.append(f"| {target} | KVR-P (table {list(table_contexts)}) | {predicted} | 0 | {t_p:.3f} |")
-    lines += ["", f"KVR-P at {target} tokens, interpolated between the searched partitions at "
-              f"{' and '.join(map(str, table_contexts))}, is {(t_p - t_s) / t_s:+.1%} from KVR-S "
-              f"(timed side by side in alternating rounds, medians: {t_p:.3f} s vs {t_s:.3f} s; target: within 2%).", ""]
+    searches.append({"context": target, "search": f"KVR-P (table {list(table_contexts)})", "chunks": predicted,
+                     "evaluations": 0, "ttft": t_p})
 
     # Simulated scaling on assumed A100-class GPUs (the paper's setup), never measured here.
-    lines += ["### Simulated scaling to 8 GPUs (simulated, assumed A100-class hardware)", "",
-              f"Llama-7B shape, fp16, cost model: {a100_like(LLAMA_7B).label}. All numbers below are simulated.", "",
-              "| context | GPUs | link | single (s) | TSP (s) | KVR-E (s) | KVR-S (s) | TTFT*(p) (s) | KVR-S vs TSP |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    scaling = []
     for C, p, bw in ([(4096, 2, 300e9), (4096, 4, 300e9)] if quick else
                      [(16384, 2, 300e9), (16384, 4, 300e9), (16384, 8, 300e9), (8192, 8, 300e9),
                       (4096, 8, 300e9), (16384, 8, 10e9), (16384, 8, 1e9)]):
         r = compare_methods(LLAMA_7B, C, p, a100_like(LLAMA_7B, link_bandwidth_bytes_per_s=bw))
-        lines.append(f"| {C} | {p} | {bw / 1e9:g} GB/s | {r['single']:.3f} | {r['tsp']:.3f} | {r['kvr_even']:.3f} | "
-                     f"{r['kvr_searched']:.3f} | {r['lower_bound']:.3f} | {r['tsp'] / r['kvr_searched']:.2f}x |")
-        print(lines[-1], flush=True)
-    lines += ["", "For orientation, the paper reports KVR-S 1.41x faster than TSP for Llama-7B on 8 A100s at 16k; "
-              "the simulator is a model with assumed coefficients, not a reproduction."]
-    return "\n".join(lines)
+        scaling.append({**r, "bandwidth": bw})
+    return {"cm": cm, "repeats": repeats, "warm": warm, "accuracy": accuracy, "max_error": max(errors),
+            "median_error": statistics.median(errors), "searches": searches, "target": target,
+            "table_contexts": list(table_contexts), "t_p": t_p, "t_s": t_s,
+            "gpu_label": a100_like(LLAMA_7B).label, "scaling": scaling}
 
 
-SECTIONS = {"generation": bench_generation, "prefill": bench_prefill, "search": bench_search}
+SECTIONS = {"generation": bench_generation, "first_token": bench_first_token, "prefill": bench_prefill,
+            "search": bench_search}
+
+
+def _progress(row: dict) -> None:
+    """Print a measured row as it comes in (a full run takes a while)."""
+    print("  " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+          flush=True)
+
+
+def _than(ratio: float) -> str:
+    """1.32 -> "1.32x faster than", 0.8 -> "1.25x slower than" (a ratio of baseline time to our time)."""
+    return f"{ratio:.2f}x faster than" if ratio >= 1 else f"{1 / ratio:.2f}x slower than"
+
+
+def _verdict(value: float, target: float) -> str:
+    return "meets" if value >= target else "does not meet"
+
+
+@functools.lru_cache(maxsize=1)
+def _template():
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.PackageLoader("toyllm", "templates"), undefined=jinja2.StrictUndefined,
+                             trim_blocks=False, keep_trailing_newline=True)
+    env.filters.update(than=_than, verdict=_verdict)
+    return env.get_template("benchmarks.md.j2")
+
+
+def render_section(name: str, data: dict) -> str:
+    """The Markdown of one section: its template macro filled with the numbers of this run."""
+    return str(getattr(_template().module, name)(data)).strip()
 
 
 def run_benchmarks(out: str, sections: list[str] | None = None, quick: bool = False) -> None:
@@ -303,7 +294,7 @@ def run_benchmarks(out: str, sections: list[str] | None = None, quick: bool = Fa
     path = Path(out)
     text = path.read_text() if path.exists() else "# Benchmarks\n\nEvery table says which command produced it.\n"
     for name in sections or list(SECTIONS):
-        body = SECTIONS[name](quick)
+        body = render_section(name, SECTIONS[name](quick))
         block = (f"<!-- bench:{name} -->\n{body}\n\nProduced by `{command}` on {time.strftime('%Y-%m-%d')}; "
                  f"{machine_line()}.\n<!-- /bench:{name} -->")
         start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
