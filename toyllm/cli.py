@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="run the benchmarks and write their tables to a Markdown file")
     b.add_argument("--out", default="docs/benchmarks.md")
-    b.add_argument("--only", choices=["generation", "prefill", "search"], action="append",
+    b.add_argument("--only", choices=["generation", "first_token", "prefill", "search"], action="append",
                    help="run only these sections (repeatable); default: all")
     b.add_argument("--quick", action="store_true", help="fewer repeats and sizes (a smoke run, not for docs)")
     return p
