@@ -191,3 +191,53 @@ def test_torchrun_runs_the_same_prefill():
     result = json.loads(line[0])
     assert result["world_size"] == 2 and result["partition"] == [30, 7]
     assert result["max_abs_logit_diff"] < ATOL
+
+
+# --------------------------------------------------------------------------- TSP balances and attention kernels
+
+from toyllm.attention import ATTENTION_KERNELS  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def kernel_references():
+    """One-process logits and caches with each kernel (they agree to ~1e-6; each method is compared with its own)."""
+    return {name: single_prefill(ModelSpec("tiny", attention=name).build(), _ids()) for name in ATTENTION_KERNELS}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kernel", sorted(ATTENTION_KERNELS))
+@pytest.mark.parametrize("p, partition", [(2, [30, 7]), (3, [20, 1, 16]), (4, [10, 12, 14, 1])])
+@pytest.mark.parametrize("method, balance", [("tsp", "none"), ("tsp", "trim"), ("tsp", "zigzag"), ("kvr", "none")])
+def test_every_method_and_kernel_equals_one_process(pools, kernel_references, kernel, p, partition, method, balance):
+    part = None if balance == "zigzag" else partition          # zigzag lays out its own 2p pieces
+    result = parallel_prefill(ModelSpec("tiny", attention=kernel), _ids(), method, p, part, balance=balance,
+                              pool=pools(p), return_cache=True, decode_tokens=4)
+    _assert_matches(result, kernel_references[kernel])
+    assert result.balance == balance and result.attention == kernel
+    assert result.decoded[0] == result.first_token and len(result.decoded) == 4
+
+
+def test_zigzag_gives_each_rank_a_piece_from_each_end():
+    from toyllm.parallel.runner import token_layout
+
+    layout = token_layout([10, 10], "zigzag")                   # 20 tokens, 4 pieces of 5
+    assert [t.tolist() for t in layout] == [[0, 1, 2, 3, 4, 15, 16, 17, 18, 19], list(range(5, 15))]
+    assert [t.tolist() for t in token_layout([3, 4])] == [[0, 1, 2], [3, 4, 5, 6]]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(method="tsp", balance="diagonal"), "unknown balance 'diagonal'"),
+    (dict(method="kvr", balance="zigzag"), "method 'kvr' takes balance='none'"),
+    (dict(method="tsp", balance="zigzag", partition=[30, 7]), "leave the partition out"),
+    (dict(method="tsp", balance="zigzag", world_size=19), "more than its 37 tokens"),
+])
+def test_bad_balances_are_rejected_before_any_process_starts(kwargs, message):
+    args = dict(world_size=2) | kwargs
+    with pytest.raises(ValueError, match=message):
+        parallel_prefill(SPECS["gqa"], _ids(), args.pop("method"), args.pop("world_size"), args.pop("partition", None),
+                         **args, timeout_s=5)
+
+
+def test_unknown_kernels_are_rejected_before_any_process_starts():
+    with pytest.raises(ValueError, match="unknown attention kernel 'flash9'"):
+        parallel_prefill(ModelSpec("tiny", attention="flash9"), _ids(), "kvr", 2, timeout_s=5)

@@ -31,7 +31,7 @@ from ..partition import even_partition, validate_partition
 from ..timeline import Timeline
 from ..utils import random_prompt
 from .comm import AllGather, Chain, LinkModel
-from .steps import STEPS, RankPositions
+from .steps import TSP_BALANCES, RankPositions, default_step
 
 METHODS = ("single", "tsp", "kvr")
 
@@ -83,6 +83,8 @@ class PrefillResult:
     kv_cache: DynamicKVCache | None = field(default=None, repr=False)  # the last rank's, (1, Hkv, C, D) per layer
     decoded: list[int] | None = None       # tokens generated after the prefill (on the last rank)
     overlap: bool = True
+    balance: str = "none"                  # TSP only: "none", "trim" or "zigzag"
+    attention: str = "dense"               # the attention kernel every rank used
     link: dict | None = None
     max_abs_logit_diff: float | None = None
 
@@ -93,7 +95,7 @@ class PrefillResult:
 # --------------------------------------------------------------------------- checking a request (before any process starts)
 
 def check_prefill_request(spec: ModelSpec, ids, method: str, world_size: int, partition=None, *,
-                          decode_tokens: int = 0) -> list[int]:
+                          decode_tokens: int = 0, balance: str = "none") -> list[int]:
     """Check everything about a request that can be checked in this process; return the partition.
 
     Raises ValueError naming the parameter, the value and what is allowed.
@@ -122,6 +124,19 @@ def check_prefill_request(spec: ModelSpec, ids, method: str, world_size: int, pa
         raise ValueError(f"method 'single' runs one process; got world size {world_size}")
     if world_size > C:
         raise ValueError(f"world size {world_size} > context {C}: every rank needs at least one token")
+    if balance not in TSP_BALANCES:
+        raise ValueError(f"unknown balance {balance!r}; choose one of {list(TSP_BALANCES)}")
+    if balance != "none" and method != "tsp":
+        raise ValueError(f"balance={balance!r} shares out TSP's work; method {method!r} takes balance='none'")
+    if balance == "zigzag":
+        if partition is not None:
+            raise ValueError("balance='zigzag' makes its own layout (2p equal pieces, rank r holds r and 2p-1-r); "
+                             "leave the partition out")
+        if 2 * world_size > C:
+            raise ValueError(f"balance='zigzag' cuts the context into 2 x world size = {2 * world_size} pieces, "
+                             f"more than its {C} tokens")
+        pieces = even_partition(C, 2 * world_size)
+        return [pieces[r] + pieces[2 * world_size - 1 - r] for r in range(world_size)]
     if partition is None:
         return even_partition(C, world_size)
     return validate_partition(list(partition), context=C, world_size=world_size)
@@ -201,25 +216,39 @@ class _TimedBlock:
             return self.block.finish(*args)
 
 
+def token_layout(chunks: list[int], balance: str = "none") -> list[torch.Tensor]:
+    """Positions each rank holds: contiguous chunks, or for zigzag pieces r and 2p-1-r of 2p."""
+    if balance != "zigzag":
+        ends = torch.tensor(chunks).cumsum(0).tolist()
+        return [torch.arange(end - c, end) for c, end in zip(chunks, ends)]
+    p, C = len(chunks), sum(chunks)
+    bounds = [0] + torch.tensor(even_partition(C, 2 * p)).cumsum(0).tolist()
+    piece = [torch.arange(bounds[j], bounds[j + 1]) for j in range(2 * p)]
+    return [torch.cat([piece[r], piece[2 * p - 1 - r]]) for r in range(p)]
+
+
 @torch.no_grad()
 def prefill_rank(ctx: RankContext, spec: ModelSpec, ids: list[int], method: str, chunks: list[int], *,
-                 overlap: bool = True, step: str | None = None, link: LinkModel | None = None, repeat: int = 1,
-                 warmup: int = 1, return_cache: bool = False, decode_tokens: int = 0) -> dict:
+                 overlap: bool = True, balance: str = "none", step: str | None = None, link: LinkModel | None = None,
+                 repeat: int = 1, warmup: int = 1, return_cache: bool = False, decode_tokens: int = 0) -> dict:
     """The worker function: one rank's part of a parallel prefill, run ``warmup + repeat`` times.
 
-    Returns this rank's seconds per run and timeline; the last rank also
-    returns the first-token logits (and optionally its KV cache and the
-    tokens it decodes from that cache).
+    Returns this rank's seconds per run and timeline; the rank holding the
+    last prompt token (the last rank, or rank 0 with zigzag) also returns the
+    first-token logits (and optionally its KV cache and the tokens it
+    decodes from that cache).
     """
     model = spec.build().to(ctx.device)
     rank, p = ctx.rank, ctx.world_size
     if len(chunks) != p:
         raise ValueError(f"partition has {len(chunks)} chunks for world size {p}")
-    layer_step = resolve_step(step) if step else STEPS[(method, overlap)]
-    start = sum(chunks[:rank])
-    ids_t = torch.tensor([ids[start:start + chunks[rank]]], device=ctx.device)
-    q_pos = model.positions(start, chunks[rank])
-    pos = RankPositions(q_pos, model.rope_cos[q_pos], model.rope_sin[q_pos], start, sum(chunks))
+    layer_step = resolve_step(step) if step else default_step(method, overlap, balance)
+    layout = token_layout(chunks, balance)
+    q_pos = layout[rank].to(ctx.device)
+    ids_t = torch.tensor([[ids[i] for i in layout[rank].tolist()]], device=ctx.device)
+    pos = RankPositions(q_pos, model.rope_cos[q_pos], model.rope_sin[q_pos], int(q_pos[0]), sum(chunks),
+                        tuple(t.to(ctx.device) for t in layout))
+    owner = next(r for r, t in enumerate(layout) if int(t[-1]) == sum(chunks) - 1)   # holds the last token
     cfg = model.config
     runs, tl = [], Timeline(rank)
     for run in range(warmup + repeat):
@@ -240,13 +269,13 @@ def prefill_rank(ctx: RankContext, spec: ModelSpec, ids: list[int], method: str,
             cache.update(i, k, v)
         comm.finish()
         logits = None
-        if rank == p - 1:
+        if rank == owner:
             with tl.span("compute", None, "lm_head"):
                 logits = model.head(x[:, -1:])[0, -1]                   # only the position that picks the token
         if run >= warmup:
             runs.append(tl.now())
     out = {"rank": rank, "runs_s": runs, "events": tl.to_dicts()}
-    if rank == p - 1:
+    if rank == owner:
         _check_step_output(cache, sum(chunks), cfg)
         out["logits"] = logits
         if return_cache:
@@ -281,14 +310,19 @@ def single_prefill(model, ids: list[int]) -> tuple[torch.Tensor, DynamicKVCache]
 
 
 def parallel_prefill(spec: ModelSpec | str, ids: list[int], method: str = "kvr", world_size: int = 2,
-                     partition: list[int] | None = None, *, overlap: bool = True, step: str | Callable | None = None,
+                     partition: list[int] | None = None, *, overlap: bool = True, balance: str = "none",
+                     step: str | Callable | None = None,
                      link: LinkModel | None = None, repeat: int = 1, warmup: int = 1, threads_per_rank: int = 1,
                      backend: str = "auto", return_cache: bool = False, decode_tokens: int = 0,
                      pool: WorkerPool | None = None, timeout_s: float = 300.0) -> PrefillResult:
     """Prefill ``ids`` on ``world_size`` processes with "tsp" or "kvr" (or "single": this process).
 
     partition: tokens per rank (default: even split). overlap: KVR posts its
-    receives early and sends without waiting (False: blocking). step: your
+    receives early and sends without waiting (False: blocking). balance: how
+    TSP shares out the work: "none" (the paper's baseline: every rank attends
+    over all C keys), "trim" (only over the keys its queries can see) or
+    "zigzag" (rank r holds pieces r and 2p-1-r of 2p, so every rank owns an
+    equal share of the causal triangle). step: your
     own per-layer step (see ``toyllm.parallel.steps``) instead of the
     engine's. repeat: timed runs, after ``warmup`` untimed ones, in the same
     processes. pool: reuse a running WorkerPool of the right size instead of
@@ -296,7 +330,8 @@ def parallel_prefill(spec: ModelSpec | str, ids: list[int], method: str = "kvr",
     """
     spec = ModelSpec(spec) if isinstance(spec, str) else spec
     ids = [int(t) if not isinstance(t, bool) and hasattr(t, "__index__") else t for t in ids]
-    chunks = check_prefill_request(spec, ids, method, world_size, partition, decode_tokens=decode_tokens)
+    chunks = check_prefill_request(spec, ids, method, world_size, partition, decode_tokens=decode_tokens,
+                                   balance=balance)
     if method == "single":
         if step is not None:
             raise ValueError("step= plugs a per-layer step into a parallel method ('tsp' or 'kvr'), not 'single'")
@@ -304,27 +339,29 @@ def parallel_prefill(spec: ModelSpec | str, ids: list[int], method: str = "kvr",
                        return_cache=return_cache, decode_tokens=decode_tokens)
     if pool is not None and pool.world_size != world_size:
         raise ValueError(f"the pool has {pool.world_size} processes but world size is {world_size}")
-    kwargs = dict(overlap=overlap, step=step_reference(step), link=link, repeat=repeat, warmup=warmup,
-                  return_cache=return_cache, decode_tokens=decode_tokens)
+    kwargs = dict(overlap=overlap, balance=balance, step=step_reference(step), link=link, repeat=repeat,
+                  warmup=warmup, return_cache=return_cache, decode_tokens=decode_tokens)
     args = (spec, list(ids), method, chunks)
     if pool is not None:
         outs = pool.run(prefill_rank, args, kwargs, timeout_s=timeout_s)
     else:
         outs = run_parallel(prefill_rank, world_size, args, kwargs, backend=backend, timeout_s=timeout_s,
                             threads_per_rank=threads_per_rank)
-    return _merge(outs, method=method, chunks=chunks, threads=threads_per_rank, overlap=overlap, link=link)
+    return _merge(outs, method=method, chunks=chunks, threads=threads_per_rank, overlap=overlap, link=link,
+                  balance=balance, attention=spec.attention)
 
 
-def _merge(outs, *, method, chunks, threads, overlap, link) -> PrefillResult:
+def _merge(outs, *, method, chunks, threads, overlap, link, balance="none", attention="dense") -> PrefillResult:
     # TTFT of a run: the slowest rank's time (all ranks started together after a barrier).
     runs = [max(o["runs_s"][r] for o in outs) for r in range(len(outs[0]["runs_s"]))]
-    last = outs[-1]
+    last = next(o for o in outs if "logits" in o)          # the rank that held the last prompt token
     cache = DynamicKVCache.from_layers(last["kv_cache"]) if last.get("kv_cache") else None
     return PrefillResult(method=method, world_size=len(chunks), context=sum(chunks), partition=list(chunks),
                          threads_per_rank=threads, ttft_s=statistics.median(runs), ttft_runs=runs,
                          first_token=int(last["logits"].argmax()), logits=last["logits"],
                          timeline=[e for o in outs for e in o["events"]], kv_cache=cache,
-                         decoded=last.get("decoded"), overlap=overlap, link=asdict(link) if link else None)
+                         decoded=last.get("decoded"), overlap=overlap, balance=balance, attention=attention,
+                         link=asdict(link) if link else None)
 
 
 def _single(spec, ids, *, repeat, warmup, threads, return_cache, decode_tokens) -> PrefillResult:
@@ -346,7 +383,7 @@ def _single(spec, ids, *, repeat, warmup, threads, return_cache, decode_tokens) 
     return PrefillResult(method="single", world_size=1, context=len(ids), partition=[len(ids)],
                          threads_per_rank=threads, ttft_s=statistics.median(runs), ttft_runs=runs,
                          first_token=int(logits.argmax()), logits=logits, timeline=events,
-                         kv_cache=cache if return_cache else None, decoded=decoded)
+                         kv_cache=cache if return_cache else None, decoded=decoded, attention=spec.attention)
 
 
 def torchrun_main(spec: ModelSpec, ids, method, chunks, *, overlap=True, link=None, repeat=1, warmup=1,
@@ -362,7 +399,7 @@ def torchrun_main(spec: ModelSpec, ids, method, chunks, *, overlap=True, link=No
         dist.gather_object(out, gathered, dst=0)
         if ctx.rank == 0:
             return _merge(gathered, method=method, chunks=chunks, threads=torch.get_num_threads(),
-                          overlap=overlap, link=link)
+                          overlap=overlap, link=link, attention=spec.attention)
         return None
     finally:
         dist.destroy_process_group()

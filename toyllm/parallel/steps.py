@@ -30,13 +30,14 @@ import torch
 
 @dataclass(frozen=True)
 class RankPositions:
-    """Where this rank's chunk sits in the context: tokens [start, start + length)."""
+    """Where this rank's tokens sit in the context: usually one chunk [start, start + c_i)."""
 
-    q_pos: torch.Tensor      # (c_i,) absolute positions of this rank's tokens
+    q_pos: torch.Tensor      # (c_i,) absolute positions of this rank's tokens, increasing
     cos: torch.Tensor        # (c_i, D/2) RoPE tables picked for those positions
     sin: torch.Tensor
-    start: int               # s_i: tokens before this chunk
+    start: int               # s_i: tokens before this rank's (first) chunk
     context: int             # C: tokens in the whole prompt
+    layout: tuple = ()       # every rank's q_pos, in rank order (needed when chunks are not contiguous)
 
 
 def tsp_layer(layer, x, pos: RankPositions, comm, attention):
@@ -45,6 +46,34 @@ def tsp_layer(layer, x, pos: RankPositions, comm, attention):
     ks, vs = comm.all_gather(k, v)                         # one (B, Hkv, c_j, D) pair per rank, in rank order
     k, v = torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)    # (B, Hkv, C, D)
     k_pos = torch.arange(pos.context, device=x.device)     # keys of the whole context; the mask hides the future
+    out = layer.attend(q, k, v, pos.q_pos, k_pos, attention)
+    return layer.finish(x, out), k, v
+
+
+def tsp_trimmed_layer(layer, x, pos: RankPositions, comm, attention):
+    """TSP that attends only over the keys its queries can see, [0, s_i + c_i): KVR's work, TSP's traffic."""
+    q, k, v = layer.qkv(x, pos.cos, pos.sin)
+    ks, vs = comm.all_gather(k, v)
+    k, v = torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)    # (B, Hkv, C, D): all of it is cached
+    seen = pos.start + x.shape[1]                          # keys after this chunk are all in the future
+    k_pos = torch.arange(seen, device=x.device)
+    out = layer.attend(q, k[..., :seen, :], v[..., :seen, :], pos.q_pos, k_pos, attention)
+    return layer.finish(x, out), k, v
+
+
+def tsp_zigzag_layer(layer, x, pos: RankPositions, comm, attention):
+    """Balanced TSP: rank r holds chunks r and 2p-1-r of 2p, so each rank owns an equal share of the triangle.
+
+    The all-gather returns tokens in rank order; putting them back in position
+    order gives the same keys as plain TSP. Only a kernel that skips masked
+    work profits from the balance (with the dense kernel every rank computes
+    c_i * C dot products whatever it holds).
+    """
+    q, k, v = layer.qkv(x, pos.cos, pos.sin)
+    ks, vs = comm.all_gather(k, v)
+    order = torch.cat(pos.layout).argsort()                # rank order -> position order
+    k, v = torch.cat(ks, dim=-2)[..., order, :], torch.cat(vs, dim=-2)[..., order, :]   # (B, Hkv, C, D)
+    k_pos = torch.arange(pos.context, device=x.device)
     out = layer.attend(q, k, v, pos.q_pos, k_pos, attention)
     return layer.finish(x, out), k, v
 
@@ -74,6 +103,12 @@ def kvr_layer_blocking(layer, x, pos: RankPositions, chain, attention):
     return layer.finish(x, out), k, v
 
 
-# The engine's own steps, by name: (method, overlapped) -> step.
-STEPS = {("tsp", True): tsp_layer, ("tsp", False): tsp_layer,
-         ("kvr", True): kvr_layer, ("kvr", False): kvr_layer_blocking}
+# How TSP may share out the work (see ``default_step``).
+TSP_BALANCES = ("none", "trim", "zigzag")
+
+
+def default_step(method: str, overlap: bool = True, balance: str = "none"):
+    """The engine's own step for a method: KVR overlapped or blocking; TSP as in the paper, trimmed or zigzag."""
+    if method == "kvr":
+        return kvr_layer if overlap else kvr_layer_blocking
+    return {"none": tsp_layer, "trim": tsp_trimmed_layer, "zigzag": tsp_zigzag_layer}[balance]
