@@ -241,3 +241,22 @@ def test_bad_balances_are_rejected_before_any_process_starts(kwargs, message):
 def test_unknown_kernels_are_rejected_before_any_process_starts():
     with pytest.raises(ValueError, match="unknown attention kernel 'flash9'"):
         parallel_prefill(ModelSpec("tiny", attention="flash9"), _ids(), "kvr", 2, timeout_s=5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kernel", ["dense", "sdpa"])
+def test_smollm2_long_prompt_every_method_equals_one_process(smollm2, pools, kernel):
+    """SmolLM2 at 1024 tokens, p = 2: first token and logits (1e-4) as one process, and decoding continues alike."""
+    model, _ = smollm2
+    spec = ModelSpec("smollm2-135m", attention=kernel)
+    ids = random_prompt(1024, model.config.vocab_size, seed=11)
+    ref_logits, ref_cache = single_prefill(spec.build(), ids)
+    expected = generate(spec.build(), ids, 6, cache=ref_cache, prefilled_logits=ref_logits).output_ids
+    for method, partition, balance in [("tsp", None, "none"), ("tsp", None, "zigzag"), ("kvr", None, "none"),
+                                       ("kvr", [600, 424], "none")]:
+        r = parallel_prefill(spec, ids, method, 2, partition, balance=balance, pool=pools(2), warmup=0,
+                             decode_tokens=6, timeout_s=600)
+        diff = (r.logits - ref_logits).abs().max().item()
+        assert diff < ATOL, f"{method} {partition or balance} with {kernel}: max |logit diff| {diff:.2e}"
+        assert r.first_token == int(ref_logits.argmax()) and r.decoded == expected, (method, balance, kernel)
