@@ -228,3 +228,18 @@ def test_calibrate_smoke_on_tiny_sizes():
     assert simulate_prefill(get_config("tiny"), [20, 12], "kvr", cm).ttft_s > 0
     with pytest.raises(ValueError, match="two context sizes"):
         CostModel.calibrate(get_config("tiny"), contexts=(16,))
+
+
+def test_a_kernel_that_skips_masked_work_moves_the_best_split():
+    from toyllm.partition import search_partition
+
+    cfg = get_config("bench")
+    dense = CPU_LIKE.with_(layer_overhead_s=0.0)
+    causal = dense.with_(attention_pairs="causal")
+    assert causal.pairs(4, 5, 9) == 4 * 5 + 10 and dense.pairs(4, 5, 9) == 36
+    C = 8192
+    best = {name: search_partition(ttft_cost(cfg, cm), C, 2).partition[0] / C
+            for name, cm in [("dense", dense), ("causal", causal)]}
+    assert best["causal"] > best["dense"] + 0.03     # masked pairs skipped: rank 1's rectangle is cheaper
+    with pytest.raises(ValueError, match="attention_pairs"):
+        CPU_LIKE.with_(attention_pairs="sparse")

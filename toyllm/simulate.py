@@ -58,7 +58,11 @@ class CostModel:
 
     qkv_s_per_token: q, k, v projections (with the norm and RoPE), seconds per token per layer.
     mlp_s_per_token: everything after attention (o_proj, residuals, norm, MLP), seconds per token per layer.
-    attn_s_per_dot: dense attention, seconds per query-key pair per layer (all heads together).
+    attn_s_per_dot: attention, seconds per query-key pair per layer (all heads together).
+    attention_pairs: which pairs the kernel computes: "dense" (every pair of
+    its rectangle, masked ones too: c_i (s_i + c_i) for KVR, c_i C for TSP) or
+    "causal" (a kernel that skips masked work: only the c_i s_i + c_i (c_i + 1) / 2
+    pairs a rank's queries can see, whatever the method).
     layer_overhead_s: fixed seconds per layer (kernel launches, Python).
     link_bandwidth_bytes_per_s, link_latency_s: the point-to-point link between ranks.
     bytes_per_value: size of one K or V number on the wire (4 for float32, 2 for fp16/bf16).
@@ -72,6 +76,7 @@ class CostModel:
     link_bandwidth_bytes_per_s: float = 3e9
     link_latency_s: float = 50e-6
     bytes_per_value: int = 4
+    attention_pairs: str = "dense"
     label: str = ""
 
     def __post_init__(self):
@@ -84,6 +89,14 @@ class CostModel:
             raise ValueError(f"CostModel.link_bandwidth_bytes_per_s must be positive (bytes/s), got {bw!r}")
         if self.bytes_per_value <= 0:
             raise ValueError(f"CostModel.bytes_per_value must be positive, got {self.bytes_per_value!r}")
+        if self.attention_pairs not in ("dense", "causal"):
+            raise ValueError(f"CostModel.attention_pairs must be 'dense' or 'causal', got {self.attention_pairs!r}")
+
+    def pairs(self, queries: int, before: int, keys: int) -> int:
+        """Query-key pairs a rank computes: ``queries`` tokens after ``before`` others, over ``keys`` keys."""
+        if self.attention_pairs == "causal":
+            return queries * before + queries * (queries + 1) // 2
+        return queries * keys
 
     def with_(self, **changes) -> "CostModel":
         """A copy with some fields changed, e.g. ``cm.with_(link_bandwidth_bytes_per_s=10e9)``."""
@@ -134,6 +147,8 @@ class CostModel:
         if threads < 1 or repeats < 1:
             raise ValueError(f"threads and repeats must be at least 1, got threads={threads}, repeats={repeats}")
         attend_fn = get_attention(attention)
+        # A kernel that skips masked work costs what its queries can see, not its whole rectangle.
+        mode = "causal" if getattr(attend_fn, "skips_masked", False) else "dense"
         old_threads = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
@@ -157,7 +172,8 @@ class CostModel:
                         q_pos = torch.arange(S - Tq, S)
                         att_t.append(median_time(lambda: block.attend(q, k, v, q_pos, k_pos, attend_fn),
                                                  repeats)[0])
-                        att_rows.append([Tq * S, Tq, 1.0])
+                        pairs = Tq * (S - Tq) + Tq * (Tq + 1) // 2 if mode == "causal" else Tq * S
+                        att_rows.append([pairs, Tq, 1.0])
         finally:
             torch.set_num_threads(old_threads)
 
@@ -171,7 +187,7 @@ class CostModel:
         name = attention if isinstance(attention, str) else getattr(attention, "__name__", "custom")
         return cls(qkv_s_per_token=a, mlp_s_per_token=beta + m, attn_s_per_dot=alpha,
                    layer_overhead_s=b + d + g, link_bandwidth_bytes_per_s=link_bandwidth_bytes_per_s,
-                   link_latency_s=link_latency_s, bytes_per_value=4,
+                   link_latency_s=link_latency_s, bytes_per_value=4, attention_pairs=mode,
                    label=f"calibrated on this machine: {threads} thread(s), {name} attention, "
                          f"contexts {sizes}; link assumed")
 
@@ -333,7 +349,7 @@ def _simulate_kvr(cfg, chunks, cm: CostModel, overlap: bool, noise: LinkNoise, e
                 else:
                     r.busy("send", seconds, layer, send_label)
                     arrival[i][layer] = r.t
-            r.busy("compute", cm.attn_s_per_dot * c * (s + c), layer, lambda: f"attention {c} x {s + c}")
+            r.busy("compute", cm.attn_s_per_dot * cm.pairs(c, s, s + c), layer, lambda: f"attention {c} x {s + c}")
             r.busy("compute", cm.mlp_s_per_token * c, layer, lambda: f"o_proj + MLP of {c} tokens")
         finish.append(r.t)
     return finish
@@ -345,6 +361,7 @@ def _simulate_tsp(cfg, chunks, cm: CostModel, noise: LinkNoise, events) -> list[
     ranks = [_Rank(i, events) for i in range(p)]
     # all_gather needs equal-sized pieces, so every ring step moves the largest chunk's K and V.
     piece_bytes = 2 * max(chunks) * row_bytes
+    before = prefixes(chunks)
     for layer in range(L):
         for r, c in zip(ranks, chunks):
             r.busy("compute", cm.layer_overhead_s + cm.qkv_s_per_token * c, layer, lambda: f"qkv of {c} tokens")
@@ -354,8 +371,8 @@ def _simulate_tsp(cfg, chunks, cm: CostModel, noise: LinkNoise, events) -> list[
                    for step in range(p - 1))
         for r in ranks:
             r.wait_until("allgather", start + ring, layer, lambda: f"all-gather K,V of {C} tokens")
-        for r, c in zip(ranks, chunks):
-            r.busy("compute", cm.attn_s_per_dot * c * C, layer, lambda: f"attention {c} x {C}")
+        for r, c, s in zip(ranks, chunks, before):
+            r.busy("compute", cm.attn_s_per_dot * cm.pairs(c, s, C), layer, lambda: f"attention {c} x {C}")
             r.busy("compute", cm.mlp_s_per_token * c, layer, lambda: f"o_proj + MLP of {c} tokens")
     return [r.t for r in ranks]
 
