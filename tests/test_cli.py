@@ -33,9 +33,9 @@ def test_generate_sampling_is_seeded(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--model", "tiny", "--prompt", ""], "prompt is empty"),
-    (["generate", "--model", "nano", "--prompt", "x"], "unknown model preset 'nano'"),
+    (["generate", "--model", "nano", "--prompt", "x"], "--model: invalid choice: 'nano'"),
     (["generate", "--model", "tiny", "--prompt", "x", "--top-p", "2"], r"top_p must be in \(0, 1\]"),
-    (["generate", "--model", "tiny", "--prompt", "x", "--max-new-tokens", "-3"], "max_new_tokens must be >= 0"),
+    (["generate", "--model", "tiny", "--prompt", "x", "--max-new-tokens", "-3"], "--max-new-tokens must be >= 0"),
     (["prefill", "--model", "tiny", "--context", "10", "--world-size", "3", "--partition", "5,5"], "2 chunks"),
     (["prefill", "--model", "tiny", "--context", "2", "--world-size", "3"], "world size 3 > context 2"),
     (["search", "--model", "tiny", "--context", "64", "--world-size", "1"], "at least 2"),

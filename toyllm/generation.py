@@ -10,6 +10,7 @@ the cache. Both give the same tokens (the cache only avoids recomputation).
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -47,11 +48,11 @@ class GenerationResult:
 
 def check_sampling(temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None) -> None:
     """Raise a ValueError naming the bad sampling parameter and its allowed range."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be a positive integer or None, got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
