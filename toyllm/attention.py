@@ -14,6 +14,16 @@ query heads. A kernel marked with ``@handles_gqa`` takes them as they are,
 Copying costs a full read and write of the cache per layer and throws away
 what GQA buys in a decode step: every K/V byte read serving H/Hkv queries.
 
+Registered kernels (``ATTENTION_KERNELS``):
+
+- "dense": all of QK^T, then the mask: the kernel the KV-Runahead paper
+  counts, c_i * (s_i + c_i) pairs per rank; the default.
+- "sdpa": PyTorch's fused kernel; a causal square (``is_causal``) skips
+  the masked half, any other shape gets an explicit mask and computes all.
+- "blockwise": online softmax over key blocks, future blocks skipped.
+- "causal": the fast causal-aware kernel, a rank's rectangle as an unmasked
+  prefix plus a causal square, merged by log-sum-exp.
+
 Kernels are registered in ``ATTENTION_KERNELS``; the model, the parallel
 engine, the CLI and the lessons pick them by name, and a lesson or exercise
 can pass its own function instead.
@@ -84,3 +94,133 @@ def get_attention(kernel: str | AttentionFn) -> AttentionFn:
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {sorted(ATTENTION_KERNELS)}")
     return ATTENTION_KERNELS[kernel]
+
+
+# --------------------------------------------------------------------------- kernels that skip masked work
+#
+# Dense attention computes every query-key pair of its rectangle and masks the
+# future afterwards, so half of a causal square is wasted work. The two
+# kernels below compute only the pairs a query can see (and a few on the
+# diagonal's blocks): "blockwise" in a screen of plain PyTorch, the
+# flash-attention idea; "causal" from PyTorch's fused kernels, the fast one.
+
+def skips_masked(fn: AttentionFn) -> AttentionFn:
+    """Mark a kernel whose cost is the visible pairs only (the simulator and searches count those)."""
+    fn.skips_masked = True
+    return fn
+
+
+@skips_masked
+@handles_gqa
+def blockwise_attention(q, k, v, q_pos, k_pos, block: int = 256):
+    """Online-softmax attention over blocks of keys, skipping the blocks entirely in the future.
+
+    For each block of queries keep a running max m, a running sum l of
+    exp(score - m) and a running weighted sum of values; each key block
+    rescales them by exp(m_old - m_new), so no full score row is ever
+    stored. A key block whose first position is after the block's last query
+    is skipped; one that crosses the diagonal is masked.
+    """
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    qg = q.view(B, Hkv, H // Hkv, T, D)                                   # (B, Hkv, G, T, D): no copy
+    kg, vg = k[:, :, None], v[:, :, None]                                # (B, Hkv, 1, S, D): broadcast over G
+    scale = 1.0 / math.sqrt(D)
+    out = torch.empty_like(qg)
+    k_first = k_pos[::block].tolist()                                   # first and last position of each key block
+    k_last = k_pos[block - 1::block].tolist() + ([int(k_pos[-1])] if len(k_pos) % block else [])
+    for t0 in range(0, T, block):
+        qb, qp = qg[..., t0:t0 + block, :], q_pos[t0:t0 + block]
+        q_lo, q_hi = int(qp.min()), int(qp.max())
+        m = torch.full((*qb.shape[:-1], 1), float("-inf"), dtype=q.dtype)
+        l = torch.zeros_like(m)
+        acc = torch.zeros_like(qb)
+        for j, (first, last) in enumerate(zip(k_first, k_last)):
+            if first > q_hi:                                             # every key here is in every query's future
+                continue
+            s0 = j * block
+            scores = qb @ kg[..., s0:s0 + block, :].transpose(-2, -1) * scale    # (B, Hkv, G, Tb, Sb)
+            if last > q_lo:                                              # the block crosses the diagonal: mask it
+                scores = scores.masked_fill(~causal_mask(qp, k_pos[s0:s0 + block]), float("-inf"))
+            m_new = torch.maximum(m, scores.amax(-1, keepdim=True))
+            p = torch.exp(scores - m_new)
+            correction = torch.exp(m - m_new)                            # rescale what was summed so far
+            l = l * correction + p.sum(-1, keepdim=True)
+            acc = acc * correction + p @ vg[..., s0:s0 + block, :]
+            m = m_new
+        out[..., t0:t0 + block, :] = acc / l
+    return out.view(B, H, T, D)
+
+
+def _flash_cpu(q, k, v, causal: bool):
+    """PyTorch's fused CPU kernel, returning the output and the log-sum-exp of each query's scores (B, H, T)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)[:2]
+    return out, lse
+
+
+def _plain(q, k, v, causal: bool):
+    """The same result as ``_flash_cpu`` from plain operations: the fallback and the test reference."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])            # (B, H, T, S)
+    if causal:
+        T, S = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(T, S, dtype=torch.bool).triu(S - T + 1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.softmax(scores, dim=-1) @ v, lse
+
+
+def attention_with_lse(q, k, v, causal: bool = False):
+    """Attention of q (B, H, T, D) over k, v with as many heads, and each row's log-sum-exp (B, H, T).
+
+    Uses PyTorch's private fused CPU op when it is there and the tensors
+    suit it; anything else takes the plain route, with the same result.
+    """
+    if q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        try:
+            return _flash_cpu(q, k, v, causal)
+        except (RuntimeError, TypeError):
+            pass
+    return _plain(q, k, v, causal)
+
+
+def merge_partials(out_a, lse_a, out_b, lse_b):
+    """Combine attention over two disjoint sets of keys: weight each by its share of the softmax mass."""
+    lse = torch.logaddexp(lse_a, lse_b)                                  # (B, H, T)
+    return out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None]
+
+
+def _contiguous(pos: torch.Tensor) -> bool:
+    return len(pos) > 0 and int(pos[-1]) - int(pos[0]) == len(pos) - 1
+
+
+@skips_masked
+@handles_gqa
+def causal_attention(q, k, v, q_pos, k_pos):
+    """Causal-aware attention from fused kernels: a rank's rectangle as prefix + causal square.
+
+    When the queries are the last T of S contiguous keys (a prompt, a decode
+    step, a KV-Runahead rank's chunk over its prefix), the first S - T keys
+    are visible to every query (no mask needed) and the last T form a causal
+    square; the two fused calls are merged by their log-sum-exps. Any other
+    layout (a zigzag rank's two pieces, for example) goes to the blockwise kernel.
+    """
+    T, S = q.shape[-2], k.shape[-2]
+    if not (_contiguous(q_pos) and _contiguous(k_pos) and int(q_pos[-1]) == int(k_pos[-1]) and T <= S):
+        return blockwise_attention(q, k, v, q_pos, k_pos)
+    gqa = k.shape[1] != q.shape[1]
+    if T == S:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if T == 1:                                                          # a decode step sees every key
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    group = q.shape[1] // k.shape[1]
+    B, H, _, D = q.shape
+    # Prefix: no mask, so the G query heads sharing a K/V head can ride along as extra rows.
+    out_p, lse_p = attention_with_lse(group_queries(q, k.shape[1]), k[..., :S - T, :], v[..., :S - T, :])
+    out_p, lse_p = out_p.reshape(B, H, T, D), lse_p.reshape(B, H, T)
+    k_sq, v_sq = k[..., S - T:, :], v[..., S - T:, :]
+    if group > 1:                                                       # the square is causal: heads must match
+        k_sq, v_sq = k_sq.repeat_interleave(group, dim=1), v_sq.repeat_interleave(group, dim=1)
+    out_s, lse_s = attention_with_lse(q, k_sq, v_sq, causal=True)
+    return merge_partials(out_p, lse_p, out_s, lse_s)
+
+
+ATTENTION_KERNELS.update(blockwise=blockwise_attention, causal=causal_attention)

@@ -1,0 +1,105 @@
+"""Every attention kernel equals the masked dense reference (1e-5), whatever the shapes and positions."""
+import pytest
+import torch
+
+import toyllm.attention as A
+from toyllm import build_model
+from toyllm.attention import ATTENTION_KERNELS, attention_with_lse, get_attention, merge_partials
+
+ATOL = 1e-5
+
+
+def reference(q, k, v, q_pos, k_pos):
+    """Masked softmax attention written out in full, K/V heads copied to every query head."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def case(B, H, Hkv, q_pos, k_pos, D=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, len(q_pos), D, generator=g)
+    k, v = (torch.randn(B, Hkv, len(k_pos), D, generator=g) for _ in range(2))
+    return q, k, v, torch.as_tensor(q_pos), torch.as_tensor(k_pos)
+
+
+CASES = {
+    "prompt": (1, 4, 4, range(0, 50), range(0, 50)),
+    "rectangle": (2, 6, 2, range(300, 520), range(0, 520)),          # a KVR rank: queries after a prefix
+    "decode": (1, 6, 1, [700], range(0, 701)),                        # T = 1, multi-query
+    "one-token chunk": (1, 4, 2, [33], range(0, 34)),
+    "keys not from 0": (1, 4, 2, range(40, 60), range(10, 60)),       # a sliding window's keys
+    "queries inside the keys": (1, 4, 4, range(20, 30), range(0, 45)),
+    "zigzag rank": (1, 6, 3, [*range(0, 64), *range(448, 512)], range(0, 512)),
+    "odd lengths": (2, 2, 1, range(257, 600), range(0, 600)),         # not a multiple of the block size
+}
+
+
+@pytest.mark.parametrize("kernel", sorted(ATTENTION_KERNELS))
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_kernel_equals_the_masked_reference(kernel, name):
+    q, k, v, q_pos, k_pos = case(*CASES[name])
+    got = get_attention(kernel)(q, k, v, q_pos, k_pos)
+    assert got.shape == q.shape
+    torch.testing.assert_close(got, reference(q, k, v, q_pos, k_pos), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("block", [1, 7, 64])
+def test_blockwise_is_exact_for_any_block_size(block):
+    q, k, v, q_pos, k_pos = case(*CASES["rectangle"])
+    torch.testing.assert_close(A.blockwise_attention(q, k, v, q_pos, k_pos, block=block),
+                               reference(q, k, v, q_pos, k_pos), atol=ATOL, rtol=0)
+
+
+def test_blockwise_skips_the_future_blocks(monkeypatch):
+    """Counting the score blocks computed: a causal square of 4 blocks needs 1 + 2 + 3 + 4 of the 16."""
+    q, k, v, q_pos, k_pos = case(1, 2, 2, range(0, 64), range(0, 64))
+    calls = []
+    real = torch.Tensor.amax
+    monkeypatch.setattr(torch.Tensor, "amax", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    A.blockwise_attention(q, k, v, q_pos, k_pos, block=16)
+    assert len(calls) == 10
+
+
+def test_lse_route_and_its_fallback_agree(monkeypatch):
+    q, k, v, *_ = case(2, 3, 3, range(0, 20), range(0, 20))
+    fused = attention_with_lse(q, k, v, causal=True)
+    monkeypatch.setattr(A, "_flash_cpu", lambda *a: (_ for _ in ()).throw(RuntimeError("no such op")))
+    plain = attention_with_lse(q, k, v, causal=True)
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+
+
+def test_merging_two_key_sets_equals_attention_over_both():
+    q, k, v, *_ = case(1, 2, 2, range(0, 5), range(0, 30))
+    first, second = attention_with_lse(q, k[..., :12, :], v[..., :12, :]), attention_with_lse(q, k[..., 12:, :], v[..., 12:, :])
+    merged = merge_partials(*first, *second)
+    torch.testing.assert_close(merged, attention_with_lse(q, k, v)[0], atol=ATOL, rtol=0)
+
+
+def test_the_causal_kernel_falls_back_to_blockwise_for_other_layouts(monkeypatch):
+    seen = []
+    monkeypatch.setattr(A, "blockwise_attention", lambda *a, **kw: seen.append(1) or reference(*a))
+    A.causal_attention(*case(*CASES["zigzag rank"]))
+    A.causal_attention(*case(*CASES["rectangle"]))
+    assert seen == [1]
+
+
+@pytest.mark.parametrize("kernel", sorted(ATTENTION_KERNELS))
+def test_the_tiny_model_gives_the_same_logits_with_every_kernel(kernel):
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    dense = build_model("tiny")(ids)
+    model = build_model("tiny")
+    model.set_attention(kernel)
+    torch.testing.assert_close(model(ids), dense, atol=ATOL, rtol=0)
+
+
+def test_kernels_that_skip_masked_work_say_so():
+    assert {n for n, f in ATTENTION_KERNELS.items() if getattr(f, "skips_masked", False)} == {"blockwise", "causal"}
+
+
+def test_an_unknown_kernel_lists_the_choices():
+    with pytest.raises(ValueError, match=r"unknown attention kernel 'flash9'; choose one of \['blockwise', 'causal'"):
+        get_attention("flash9")
