@@ -252,8 +252,45 @@ def bench_search(quick: bool = False) -> dict:
             "gpu_label": a100_like(LLAMA_7B).label, "scaling": scaling}
 
 
+def _kvr_search(spec, ids, pool, repeats, warm, shares) -> tuple[list[int], float]:
+    """The best first-rank share of a sweep (measured), re-timed: KVR-S for p = 2."""
+    from .partition import partition_from_ratios
+
+    C = len(ids)
+    swept = {r: parallel_prefill(spec, ids, "kvr", 2, partition_from_ratios(C, [r, 1 - r]), repeat=1,
+                                 warmup=warm, pool=pool).ttft_s for r in shares}
+    chunks = partition_from_ratios(C, [min(swept, key=swept.get), 1 - min(swept, key=swept.get)])
+    return chunks, parallel_prefill(spec, ids, "kvr", 2, chunks, repeat=repeats, warmup=warm, pool=pool).ttft_s
+
+
+def bench_kernels(quick: bool = False) -> dict:
+    """Causal-aware attention for every method: one process vs TSP (plain, zigzag) vs KVR, bench preset and SmolLM2."""
+    repeats, warm = (1, 1) if quick else (3, 1)
+    rows = []
+    for model, C, kernels in ([("bench", 2048, ("causal",)), ("smollm2-135m", 1024, ("dense", "causal"))] if quick
+                              else [("bench", 8192, ("causal",)), ("smollm2-135m", 8192, ("dense", "causal"))]):
+        for kernel in kernels:
+            spec = ModelSpec(model, attention=kernel)
+            ids = random_prompt(C, spec.config.vocab_size)
+            shares = (0.56, 0.6, 0.64) if kernel == "dense" else (0.66, 0.7, 0.74)
+            row = {"model": model, "context": C, "kernel": kernel}
+            if kernel == "causal":          # the best one-process alternative: PyTorch's fused causal kernel
+                row["single_1t"] = _single_s(ModelSpec(model, attention="sdpa"), ids, 1, repeats, warm)
+                row["single_2t"] = _single_s(ModelSpec(model, attention="sdpa"), ids, 2, repeats, warm)
+            with _fresh_pool(spec, ids) as pool:
+                row["tsp"] = parallel_prefill(spec, ids, "tsp", 2, repeat=repeats, warmup=warm, pool=pool).ttft_s
+                if kernel == "causal":
+                    row["tsp_zigzag"] = parallel_prefill(spec, ids, "tsp", 2, balance="zigzag", repeat=repeats,
+                                                         warmup=warm, pool=pool).ttft_s
+                row["kvr_even"] = parallel_prefill(spec, ids, "kvr", 2, repeat=repeats, warmup=warm, pool=pool).ttft_s
+                row["kvr_s_chunks"], row["kvr_s"] = _kvr_search(spec, ids, pool, repeats, warm, shares)
+            rows.append(row)
+            _progress(row)
+    return {"repeats": repeats, "warm": warm, "rows": rows}
+
+
 SECTIONS = {"generation": bench_generation, "first_token": bench_first_token, "prefill": bench_prefill,
-            "search": bench_search}
+            "search": bench_search, "kernels": bench_kernels}
 
 
 def _progress(row: dict) -> None:
