@@ -82,8 +82,11 @@ def test_merging_two_key_sets_equals_attention_over_both():
 def test_the_causal_kernel_falls_back_to_blockwise_for_other_layouts(monkeypatch):
     seen = []
     monkeypatch.setattr(A, "blockwise_attention", lambda *a, **kw: seen.append(1) or reference(*a))
-    A.causal_attention(*case(*CASES["zigzag rank"]))
+    A.causal_attention(*case(*CASES["zigzag rank"]))                 # two runs, each a prefix + square
     A.causal_attention(*case(*CASES["rectangle"]))
+    A.causal_attention(*case(*CASES["queries inside the keys"]))      # later keys dropped, then prefix + square
+    assert seen == []
+    A.causal_attention(*case(1, 2, 2, range(0, 10), [0, 1, 2, 5, 6, 7, 8, 9, 11, 12]))   # keys with gaps
     assert seen == [1]
 
 

@@ -200,10 +200,19 @@ def causal_attention(q, k, v, q_pos, k_pos):
     When the queries are the last T of S contiguous keys (a prompt, a decode
     step, a KV-Runahead rank's chunk over its prefix), the first S - T keys
     are visible to every query (no mask needed) and the last T form a causal
-    square; the two fused calls are merged by their log-sum-exps. Any other
-    layout (a zigzag rank's two pieces, for example) goes to the blockwise kernel.
+    square; the two fused calls are merged by their log-sum-exps. Queries in
+    several runs (a zigzag rank's two pieces) are done run by run, keys after
+    the last query are dropped, and any other layout goes to the blockwise kernel.
     """
     T, S = q.shape[-2], k.shape[-2]
+    if _contiguous(k_pos) and not _contiguous(q_pos):
+        # Queries in several runs (a zigzag rank holds two pieces): each run sees the keys up to its end.
+        breaks = [0, *((q_pos[1:] != q_pos[:-1] + 1).nonzero().flatten() + 1).tolist(), T]
+        return torch.cat([causal_attention(q[..., a:b, :], k, v, q_pos[a:b], k_pos)
+                          for a, b in zip(breaks, breaks[1:])], dim=-2)
+    if _contiguous(k_pos) and _contiguous(q_pos) and int(k_pos[0]) <= int(q_pos[0]) and int(q_pos[-1]) < int(k_pos[-1]):
+        keep = int(q_pos[-1]) - int(k_pos[0]) + 1                        # keys after the last query are all future
+        k, v, k_pos, S = k[..., :keep, :], v[..., :keep, :], k_pos[:keep], keep
     if not (_contiguous(q_pos) and _contiguous(k_pos) and int(q_pos[-1]) == int(k_pos[-1]) and T <= S):
         return blockwise_attention(q, k, v, q_pos, k_pos)
     gqa = k.shape[1] != q.shape[1]

@@ -46,6 +46,63 @@ def ex03():
 
 
 @pytest.fixture
+def ex04():
+    return load_exercise("ex04")
+
+
+@pytest.fixture
+def ex05():
+    return load_exercise("ex05")
+
+
+def _assert_independent(fn, forbidden: set[str], exercise: str) -> None:
+    """Fail with a clear message when ``fn``'s source names one of toyllm's own implementations.
+
+    A submission must do the work itself: calling the library's answer to the
+    exercise (for example ``toyllm.parallel.tsp_layer`` inside Exercise 4.2)
+    scores nothing. Helpers the exercise hands in (``layer``, ``comm``) are fine.
+    """
+    import ast
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    used |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    used |= {a.name.rpartition(".")[2] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+             for a in n.names}
+    named = sorted(used & forbidden)
+    assert not named, (f"Exercise {exercise}: {fn.__name__} calls toyllm's own {', '.join(named)}; "
+                       "write the steps yourself (this exercise scores 0 otherwise)")
+
+
+@pytest.fixture
+def assert_independent():
+    """``assert_independent(fn, forbidden_names, "4.2")``: see ``_assert_independent``."""
+    return _assert_independent
+
+
+@pytest.fixture(scope="module")
+def pools():
+    """``pools(p)``: a WorkerPool of p one-thread processes, shared by a module's tests and
+    replaced when a test's deadlock or crash closed it."""
+    from toyllm.launch import WorkerPool
+
+    made = {}
+
+    def get(p):
+        if p not in made or made[p].closed:
+            made[p] = WorkerPool(p, timeout_s=60)
+        return made[p]
+
+    yield get
+    for pool in made.values():
+        pool.close()
+
+
+@pytest.fixture
 def tiny_model():
     """A fresh, seeded copy of the "tiny" preset per test (exercises may swap its attention)."""
     return build_model("tiny", seed=0)

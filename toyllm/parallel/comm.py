@@ -114,12 +114,14 @@ class _Incoming:
 
     def __init__(self, chain: "Chain", requests, stamp, buf):
         self.chain, self.requests, self.stamp, self.buf = chain, requests, stamp, buf
+        self.posted_s = chain.tl.now()          # when the receive was posted (seconds on the timeline)
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = self.chain.tl.now()
         for r in self.requests:
             r.wait()
-        self.chain.tl.add("recv_wait", t0, self.chain.tl.now(), self.chain.layer)
+        self.chain.tl.add("recv_wait", t0, self.chain.tl.now(), self.chain.layer,
+                          f"irecv posted at {self.posted_s:.6f} s")
         return self.chain._arrived(self.stamp, self.buf)
 
 
@@ -164,7 +166,7 @@ class Chain(_Comm):
         t0 = self.tl.now()
         dist.recv(stamp, self.rank - 1)
         dist.recv(buf, self.rank - 1)
-        self.tl.add("recv_wait", t0, self.tl.now(), self.layer)
+        self.tl.add("recv_wait", t0, self.tl.now(), self.layer, "recv")
         return self._arrived(stamp, buf)
 
     # ---------------------------------------------------------------- sending

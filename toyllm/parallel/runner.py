@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.machinery
 import importlib.util
 import random
 import statistics
@@ -156,8 +157,11 @@ def step_reference(step: str | Callable | None) -> str | None:
         ref = step
     elif callable(step) and getattr(step, "__name__", "<lambda>") != "<lambda>" and "<locals>" not in step.__qualname__:
         ref = f"{step.__module__}:{step.__qualname__}"
+        # A new process finds the module only if it is on the path (not just registered in
+        # sys.modules, as a module loaded from a file is).
+        importable = importlib.machinery.PathFinder.find_spec(step.__module__.partition(".")[0]) is not None
         try:
-            same = resolve_step(ref) is step
+            same = importable and resolve_step(ref) is step
         except (ImportError, AttributeError, ValueError):
             same = False
         if not same:   # e.g. a module loaded from a file: point at the file instead

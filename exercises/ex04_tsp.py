@@ -1,0 +1,82 @@
+"""Lesson 04 exercises: parallel prefill with TSP (tensor/sequence parallel).
+
+The prompt of C tokens is cut into chunks c_0, ..., c_{p-1}; rank i owns
+tokens [s_i, s_i + c_i), s_i = c_0 + ... + c_{i-1}. In TSP every rank
+projects its own tokens, all-gathers every rank's keys and values, and
+attends its queries over all C keys with the causal mask.
+
+Units: dot products are query-key pairs summed over nothing else (one per
+query token and key token, per head and layer); rows are token rows of K
+or of V; bytes are bytes.
+
+| exercise | function                    | points |
+|----------|-----------------------------|--------|
+| 4.1      | tsp_dot_products            | 2      |
+| 4.2      | tsp_layer                   | 4      |
+| 4.3      | tsp_kv_bytes_received       | 2      |
+| 4.4      | tensor_parallel_bytes_sent  | 2      |
+
+Reach this file with ``toyllm.grading.load_exercise("ex04")``; check your
+work with ``python -m toyllm grade --only ex04``.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def tsp_dot_products(chunks: list[int]) -> list[int]:
+    """Exercise 4.1 (2 points): query-key dot products each TSP rank computes, per head and layer.
+
+    chunks: tokens per rank, positive ints. With the dense kernel a rank
+    scores each of its c_i queries against all C = sum(chunks) keys (the
+    mask is applied afterwards). Returns a list of ints, one per rank.
+    Raises ValueError for an empty list or a chunk below 1.
+    """
+    raise NotImplementedError(
+        "Exercise 4.1: implement tsp_dot_products (hint: C = sum(chunks); every rank: c_i * C; "
+        "check the input first)")
+
+
+def tsp_layer(layer, x, pos, comm, attention):
+    """Exercise 4.2 (4 points): one TSP layer on one rank, run inside the real engine.
+
+    layer: a ``toyllm.model.Block`` with ``qkv(x, cos, sin) -> q, k, v``,
+    ``attend(q, k, v, q_pos, k_pos, attention)`` and ``finish(x, attn_out)``.
+    x: this rank's hidden states (B, c_i, d_model). pos: ``RankPositions``
+    (``q_pos`` (c_i,), ``cos``, ``sin``, ``start`` = s_i, ``context`` = C).
+    comm: ``comm.all_gather(k, v)`` returns every rank's k and v, (B, Hkv, c_j, D)
+    each, as two lists in rank order. attention: the kernel to pass to attend.
+    Returns (layer output (B, c_i, d_model), k and v of the whole context (B, Hkv, C, D)).
+    Test it with ``parallel_prefill(..., step=ex04.tsp_layer)``.
+    """
+    raise NotImplementedError(
+        "Exercise 4.2: implement tsp_layer (hint: q, k, v = layer.qkv(x, pos.cos, pos.sin); ks, vs "
+        "= comm.all_gather(k, v); concatenate along the token dim (-2); keys sit at positions "
+        "0..C-1; layer.finish(x, layer.attend(...)))")
+
+
+def tsp_kv_bytes_received(chunks: list[int], n_kv_heads: int, head_dim: int, bytes_per_value: float = 2) -> list[float]:
+    """Exercise 4.3 (2 points): bytes of K and V each rank receives in one layer's all-gather.
+
+    Rank i receives the K and V rows of every token it does not own: C - c_i
+    rows of K and as many of V, each row n_kv_heads * head_dim values of
+    bytes_per_value bytes (which may be fractional: 0.5 for 4-bit values).
+    (A real all-gather pads unequal chunks; count only the real rows.)
+    Returns a list of floats, one per rank.
+    """
+    raise NotImplementedError(
+        "Exercise 4.3: implement tsp_kv_bytes_received (hint: 2 (K and V) * (C - c_i) * n_kv_heads "
+        "* head_dim * bytes_per_value)")
+
+
+def tensor_parallel_bytes_sent(tokens: int, d_model: int, world_size: int, bytes_per_value: float = 2) -> float:
+    """Exercise 4.4 (2 points): bytes one rank sends per layer in Megatron tensor parallelism.
+
+    Each layer ends its attention and its MLP with an all-reduce of the
+    activations, tokens x d_model values. A ring all-reduce of N bytes sends
+    2 * (p - 1) / p * N bytes from every rank (reduce-scatter, then
+    all-gather). One process (p = 1) sends nothing. Returns a float.
+    """
+    raise NotImplementedError(
+        "Exercise 4.4: implement tensor_parallel_bytes_sent (hint: 2 all-reduces per layer, each 2 "
+        "* (p - 1) / p * tokens * d_model * bytes_per_value)")

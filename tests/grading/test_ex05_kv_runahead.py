@@ -1,0 +1,132 @@
+"""Graded tests of lesson 05 (ex05_kv_runahead): 10 points.
+
+5.1 kvr_layer_blocking 4, 5.2 kvr_layer 3, 5.3 kvr_counts 2, 5.4 ttft_lower_bound 1.
+References live here: the one-process forward pass of the tiny model for
+the engine runs, counts and the bound written out from their definitions.
+"""
+import re
+
+import pytest
+
+from toyllm.parallel import ModelSpec, parallel_prefill, single_prefill
+from toyllm.utils import random_prompt
+
+ENGINE_STEPS = {"tsp_layer", "tsp_trimmed_layer", "tsp_zigzag_layer", "kvr_layer", "kvr_layer_blocking",
+                "default_step", "single_prefill", "parallel_prefill"}
+ATOL = 1e-4
+
+
+def run_step(step, name, p, chunks, pools, seed=0, decode=0):
+    ids = random_prompt(sum(chunks), 256, seed)
+    spec = ModelSpec("tiny")
+    ref_logits, _ = single_prefill(spec.build(), ids)
+    try:
+        got = parallel_prefill(spec, ids, "kvr", p, chunks, step=step, pool=pools(p), warmup=0,
+                               decode_tokens=decode, timeout_s=30)
+    except Exception as e:   # a crash, a wrong shape or a deadlock (a send with no receive) in the step
+        pytest.fail(f"{name} in the engine, p={p}, chunks {chunks}: the run failed: {str(e).splitlines()[0]}")
+    diff = (got.logits - ref_logits).abs().max().item()
+    assert diff < ATOL, (f"{name} in the engine, p={p}, chunks {chunks}: first-token logits differ from one "
+                         f"process by {diff:.2e} (allowed {ATOL:g})")
+    return got
+
+
+# --------------------------------------------------------------------------- 5.1
+
+@pytest.mark.exercise("5.1")
+@pytest.mark.points(1)
+@pytest.mark.timeout(180)
+def test_ex5_1_two_ranks(ex05, pools, assert_independent):
+    assert_independent(ex05.kvr_layer_blocking, ENGINE_STEPS, "5.1")
+    run_step(ex05.kvr_layer_blocking, "kvr_layer_blocking", 2, [25, 15], pools)
+
+
+@pytest.mark.exercise("5.1")
+@pytest.mark.points(1)
+@pytest.mark.timeout(180)
+def test_ex5_1_three_ranks_uneven(ex05, pools, assert_independent):
+    assert_independent(ex05.kvr_layer_blocking, ENGINE_STEPS, "5.1")
+    run_step(ex05.kvr_layer_blocking, "kvr_layer_blocking", 3, [4, 19, 1], pools, seed=3)
+
+
+@pytest.mark.exercise("5.1")
+@pytest.mark.points(2)
+@pytest.mark.timeout(180)
+def test_ex5_1_four_ranks_and_the_last_rank_keeps_decoding(ex05, pools, assert_independent):
+    from toyllm import generate
+
+    assert_independent(ex05.kvr_layer_blocking, ENGINE_STEPS, "5.1")
+    got = run_step(ex05.kvr_layer_blocking, "kvr_layer_blocking", 4, [13, 1, 9, 8], pools, seed=4, decode=5)
+    expected = generate(ModelSpec("tiny").build(), random_prompt(31, 256, 4), 5).output_ids
+    assert got.decoded == expected, (f"kvr_layer_blocking, p=4: decoding from the last rank's cache gave "
+                                     f"{got.decoded}, one process gives {expected}")
+
+
+# --------------------------------------------------------------------------- 5.2
+
+def _order(result, p):
+    """(posted before its layer's qkv, waited after it) for every layer of every rank > 0."""
+    out = []
+    for rank in range(1, p):
+        events = [e for e in result.timeline if e["rank"] == rank]
+        for layer in sorted({e["layer"] for e in events if e["layer"] is not None}):
+            qkv = next(e for e in events if e["layer"] == layer and e["label"] == "qkv")
+            wait = next(e for e in events if e["layer"] == layer and e["kind"] == "recv_wait")
+            posted = re.match(r"irecv posted at ([0-9.]+) s", wait["label"])
+            out.append((rank, layer, posted is not None and float(posted[1]) <= qkv["start_s"],
+                        wait["start_s"] >= qkv["end_s"]))
+    return out
+
+
+@pytest.mark.exercise("5.2")
+@pytest.mark.points(1)
+@pytest.mark.timeout(180)
+def test_ex5_2_equal_logits(ex05, pools, assert_independent):
+    assert_independent(ex05.kvr_layer, ENGINE_STEPS, "5.2")
+    run_step(ex05.kvr_layer, "kvr_layer", 3, [20, 6, 11], pools, seed=5)
+
+
+@pytest.mark.exercise("5.2")
+@pytest.mark.points(2)
+@pytest.mark.timeout(180)
+def test_ex5_2_posts_the_receive_before_the_projection(ex05, pools, assert_independent):
+    assert_independent(ex05.kvr_layer, ENGINE_STEPS, "5.2")
+    got = run_step(ex05.kvr_layer, "kvr_layer", 2, [30, 10], pools, seed=6)
+    wrong = [(rank, layer) for rank, layer, posted_first, waited_after in _order(got, 2)
+             if not (posted_first and waited_after)]
+    assert not wrong, (f"kvr_layer, p=2: in layers {[l for _, l in wrong]} of rank 1 the receive was not posted "
+                       "with chain.irecv() before layer.qkv and waited for after it, so nothing overlaps")
+
+
+# --------------------------------------------------------------------------- 5.3
+
+@pytest.mark.exercise("5.3")
+@pytest.mark.points(1)
+def test_ex5_3_the_papers_example(ex05):
+    got = ex05.kvr_counts([4, 3, 2])
+    assert got == ([16, 21, 18], 22) and all(type(n) is int for n in got[0]) and type(got[1]) is int, \
+        f"kvr_counts([4, 3, 2]): expected ([16, 21, 18], 22) with ints, got {got!r}"
+
+
+@pytest.mark.exercise("5.3")
+@pytest.mark.points(1)
+def test_ex5_3_other_partitions_and_bad_input(ex05):
+    assert ex05.kvr_counts([7]) == ([49], 0), f"kvr_counts([7]): one rank sends nothing; got {ex05.kvr_counts([7])!r}"
+    got = ex05.kvr_counts([1, 5, 2, 2])
+    assert got == ([1, 30, 16, 20], 2 * (1 + 6 + 8)), f"kvr_counts([1, 5, 2, 2]): expected ([1, 30, 16, 20], 30), got {got!r}"
+    for bad in ([], [3, 0]):
+        with pytest.raises(ValueError):
+            ex05.kvr_counts(bad)
+
+
+# --------------------------------------------------------------------------- 5.4
+
+@pytest.mark.exercise("5.4")
+@pytest.mark.points(1)
+def test_ex5_4_lower_bound(ex05):
+    cases = {(12.0, 1): 12.0, (12.0, 2): 4.5, (8.0, 4): 1.25, (3.0, 3): 2 / 3}
+    for (t, p), expected in cases.items():
+        got = ex05.ttft_lower_bound(t, p)
+        assert got == pytest.approx(expected, rel=1e-12), f"ttft_lower_bound({t}, p={p}): expected {expected}, got {got!r}"
+    with pytest.raises(ValueError):
+        ex05.ttft_lower_bound(1.0, 0)
