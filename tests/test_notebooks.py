@@ -94,11 +94,12 @@ def test_exercise_headings_match_the_grader_and_are_graded(path):
     assert set(found) == expected, (f"{path.name}: exercise headings {sorted(found)} but the grader has "
                                     f"{sorted(expected)}")
     for ex, start in found.items():
-        # the grader cell of ex: before the next exercise heading, it runs grade() and names ex
+        # the grader cell of ex: before the next exercise heading, it runs grade() or check() and names ex
         later = sorted(i for i in found.values() if i > start)
         end = later[0] if later else len(cells)
         graded = [c for c in cells[start:end]
-                  if c.cell_type == "code" and "grade(" in c.source and f'"{ex}"' in c.source]
+                  if c.cell_type == "code" and ("grade(" in c.source or "check(" in c.source)
+                  and f'"{ex}"' in c.source]
         assert graded, f"{path.name}: exercise {ex} has no cell that runs the grader for it"
 
 
@@ -162,11 +163,11 @@ def test_parallel_prefill_runs_from_a_jupyter_kernel(kernel_spec_manager):
             "print('kvr ok', kvr.first_token, diff)"),
         nbformat.v4.new_code_cell(
             "from toyllm.launch import WorkerError\n"
-            "bad = ModelSpec('tiny', overrides=(('n_kv_heads', 3),))\n"
+            f"failing = {str(REPO_ROOT / 'tests' / 'workers_for_tests.py')!r} + ':failing_step'\n"
             "try:\n"
-            "    parallel_prefill(bad, ids, 'kvr', 2, timeout_s=120)\n"
+            "    parallel_prefill(spec, ids, 'kvr', 2, step=failing, timeout_s=120)\n"
             "except WorkerError as err:\n"
-            "    assert 'Traceback' in err.traceback and 'multiple of n_kv_heads' in str(err), str(err)\n"
+            "    assert 'Traceback' in err.traceback and 'rank 1 gives up' in str(err), str(err)\n"
             "    print('failure reported')\n"
             "else:\n"
             "    raise AssertionError('the failing rank went unnoticed')"),

@@ -564,6 +564,24 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
     return report
 
 
+def check(exercise: str, impl: str | os.PathLike | None = None) -> float:
+    """Grade one exercise from a notebook cell: one line per graded test, then the points; returns them.
+
+    ``check("2.1")`` runs just Exercise 2.1's graded tests against the
+    current implementation (``TOYLLM_IMPL``, default your ``exercises/``),
+    so the notebook keeps running whatever your function does.
+    """
+    report = grade(impl if impl is not None else current_impl(), only=exercise)
+    for t in report.tests:
+        mark = "ok  " if t.status == "passed" else "FAIL"
+        why = "" if t.status == "passed" else ": " + (t.output.strip().splitlines() or [t.status])[0][:200]
+        if "NotImplementedError" in why:
+            why = ": not written yet"
+        print(f"  {mark} {t.name.split(': ', 1)[-1]} ({_num(t.max_score)} point(s)){why}")
+    print(f"Exercise {exercise}: {_num(report.score)} / {_num(report.max_score)} points")
+    return report.score
+
+
 def _run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env: str,
                 timeout_s: float, tmp: Path, exercises: set[str] | None = None) -> tuple[list[TestResult], set[int]]:
     """One pytest subprocess for one lesson; returns its results and every lesson its collection saw."""

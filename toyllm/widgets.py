@@ -282,3 +282,77 @@ class SamplingExplorer(_Explorer):
                                   title=f"frequencies in {self.draws:,} draws of sample_next_token")
             ax.legend(fontsize=8)
             self._show(fig)
+
+
+# --------------------------------------------------------------------------- lessons 04-05: parallel prefill
+
+class ParallelCountsExplorer(_Explorer):
+    """Context length, processes and rank 0's share -> dot products and K/V rows per rank, TSP beside KVR.
+
+    The numbers come from ``toyllm.partition`` (``dot_products``,
+    ``kv_rows_sent``): dense attention, per head and layer. ``share`` is the
+    fraction of the context on rank 0; the others split the rest evenly.
+    """
+
+    def __init__(self, context: int = 4096, world_size: int = 4, share: float | None = None, plot: bool = True):
+        super().__init__(plot)
+        self.context = W.IntSlider(context, min=16, max=32768, step=16, description="context C (tokens)", **_SLIDER)
+        self.world_size = W.IntSlider(world_size, min=2, max=8, description="processes p", **_SLIDER)
+        self.share = W.FloatSlider(1 / world_size if share is None else share, min=0.05, max=0.95, step=0.01,
+                                   description="rank 0's share (KVR)", **_SLIDER)
+        self._observe(self.context, self.world_size, self.share)
+        self.widget = W.VBox([self.context, self.world_size, self.share, self.text, self.out])
+        self.update()
+
+    def update(self) -> None:
+        from .partition import dot_products, even_partition, kv_rows_sent, partition_from_ratios
+
+        C, p, r = self.context.value, self.world_size.value, self.share.value
+        self.tsp_chunks = even_partition(C, p)
+        self.kvr_chunks = partition_from_ratios(C, [r] + [(1 - r) / (p - 1)] * (p - 1))
+        self.tsp_dots, self.kvr_dots = dot_products(self.tsp_chunks, "tsp"), dot_products(self.kvr_chunks, "kvr")
+        self.tsp_rows, self.kvr_rows = sum(kv_rows_sent(self.tsp_chunks, "tsp")), sum(kv_rows_sent(self.kvr_chunks, "kvr"))
+        self.text.value = (f"TSP, even split {self.tsp_chunks}: slowest rank {max(self.tsp_dots):,} dot products, "
+                           f"{self.tsp_rows:,} K/V rows moved<br>"
+                           f"KVR, split {self.kvr_chunks}: slowest rank {max(self.kvr_dots):,} dot products, "
+                           f"{self.kvr_rows:,} K/V rows sent<br>"
+                           f"the causal triangle needs {C * (C + 1) // 2:,} in all")
+        if self.plot:
+            fig, ax = plt.subplots(figsize=(7, 3.2))
+            x = torch.arange(p).float()
+            ax.bar(x - 0.2, self.tsp_dots, 0.4, label="TSP (even)")
+            ax.bar(x + 0.2, self.kvr_dots, 0.4, label="KVR")
+            ax.set_xticks(range(p), [f"rank {i}" for i in range(p)])
+            ax.set_ylabel("dot products per head and layer")
+            ax.legend()
+            fig.tight_layout()
+            self._show(fig)
+
+
+class CoverageExplorer(_Explorer):
+    """Drag the boundaries of a p = 3 partition and see each rank's rectangle in the causal triangle."""
+
+    def __init__(self, context: int = 24, first: int = 11, second: int = 19, method: str = "kvr", plot: bool = True):
+        super().__init__(plot)
+        self.context = context
+        self.first = W.IntSlider(first, min=1, max=context - 2, description="boundary 1", **_SLIDER)
+        self.second = W.IntSlider(second, min=2, max=context - 1, description="boundary 2", **_SLIDER)
+        self.method = W.ToggleButtons(options=["kvr", "tsp"], value=method, description="method")
+        self._observe(self.first, self.second, self.method)
+        self.widget = W.VBox([self.method, self.first, self.second, self.text, self.out])
+        self.update()
+
+    def update(self) -> None:
+        from .partition import dot_products
+
+        a, b = sorted((self.first.value, self.second.value))
+        if a == b:
+            self.chunks = None
+            self.text.value = "the two boundaries must differ: every rank needs at least one token"
+            return
+        self.chunks = [a, b - a, self.context - b]
+        self.dots = dot_products(self.chunks, self.method.value)
+        self.text.value = (f"chunks {self.chunks}: dot products per rank {self.dots}; the slowest rank sets "
+                           f"the time to first token ({max(self.dots)})")
+        if self.plot:
+            self._show(viz.plot_coverage(self.chunks, self.method.value))
