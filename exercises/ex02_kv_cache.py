@@ -11,7 +11,7 @@ causal mask. The price is memory, which the formulas below count.
 |----------|------------------------|--------|
 | 2.1      | attention_with_offset  | 6      |
 | 2.2      | kv_cache_bytes         | 3      |
-| 2.3      | static_buffer_bytes    | 3      |
+| 2.3      | static_buffer_bytes    | 4      |
 | 2.4      | cached_generate        | 4      |
 
 Reach this file with ``toyllm.grading.load_exercise("ex02")``; check your
@@ -66,24 +66,26 @@ def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, tokens: int,
         " tokens x bytes_per_value x batch)")
 
 
-def static_buffer_bytes(n_blocks: int, n_heads: int, head_dim: int, max_seq_len: int,
+def static_buffer_bytes(n_blocks: int, n_kv_heads: int, head_dim: int, max_seq_len: int,
                         bits: int = 16, reserve: float = 2.0) -> int:
-    """Exercise 2.3 (3 points): bytes of a preallocated K/V buffer for a runtime without dynamic shapes.
+    """Exercise 2.3 (4 points): bytes of a preallocated K/V buffer for a runtime without dynamic shapes.
 
     A static graph reads each layer's (and head's) past K or V as a window
     of S - 1 rows of head_dim values, S = max_seq_len, left-padded until the
     cache fills. Reserving ``reserve`` * (S - 1) rows per K or V lets that
     window slide right as tokens arrive: with reserve = 2 appending never
     copies anything; less memory (e.g. 1.5) means an occasional shift.
-    Total = 2 (K and V) x n_blocks x n_heads x reserve x (S - 1) x head_dim x bits / 8.
-    Example: Llama-7B (32 blocks, 32 heads, head_dim 128, S = 2048, 16 bits)
+    Total = 2 (K and V) x n_blocks x n_kv_heads x reserve x (S - 1) x head_dim x bits / 8.
+    Only the key/value heads are cached: with grouped-query attention n_kv_heads is smaller
+    than the number of query heads (SmolLM2: 3 for 9); with multi-head attention they are equal.
+    Example: Llama-7B (multi-head: 32 blocks, 32 KV heads, head_dim 128, S = 2048, 16 bits)
     needs 2,146,435,072 bytes; with reserve = 1.5, 1,609,826,304 bytes
     (reserve x (S - 1) may be a half row; the byte total is still whole).
     Returns bytes as an int. Raises ValueError if max_seq_len < 2, reserve
     is outside [1, 2] or bits is not a positive integer.
     """
     raise NotImplementedError(
-        "Exercise 2.3: implement static_buffer_bytes (hint: 2 x n_blocks x n_heads x reserve x "
+        "Exercise 2.3: implement static_buffer_bytes (hint: 2 x n_blocks x n_kv_heads x reserve x "
         "(max_seq_len - 1) x head_dim x bits / 8)")
 
 

@@ -182,7 +182,7 @@ def test_a_crashing_function_loses_only_the_rest_of_its_lesson(tmp_path):
     ex02 = [t for t in report.tests if t.lesson == 2]
     statuses = {ex: {t.status for t in ex02 if t.exercise == ex} for ex in ("2.1", "2.2", "2.3", "2.4")}
     assert statuses == {"2.1": {"passed"}, "2.2": {"crashed"}, "2.3": {"crashed"}, "2.4": {"crashed"}}
-    assert by_lesson[2] == (6, 16)                      # 2.1 finished before the crash and keeps its points
+    assert by_lesson[2] == (6, 17)                      # 2.1 finished before the crash and keeps its points
     first_crash = next(t for t in ex02 if t.status == "crashed")
     assert "exited (code 3)" in first_crash.output
     written = json.loads(results.read_text())
@@ -356,3 +356,56 @@ def test_every_graded_test_is_named_after_its_marker():
             assert name.startswith("test_ex" + ex.replace(".", "_") + "_"), (path.name, name, ex)
             assert int(pts) >= 1
         assert source.count("def test_") == len(re.findall(r"@pytest\.mark\.exercise", source)), path.name
+
+
+# --------------------------------------------------------------------------- trust: independence, paths, bytecode
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_step_that_calls_the_engines_own_scores_nothing_and_says_why(tmp_path):
+    source = (ROOT / "solutions" / "ex04_tsp.py").read_text()
+    start = source.index("def tsp_layer(")
+    end = source.index("\ndef ", start + 1)
+    cheat = source[:start] + textwrap.dedent('''
+        def tsp_layer(layer, x, pos, comm, attention):
+            """Exercise 4.2 (4 points): handed straight to the library."""
+            from toyllm.parallel import tsp_layer as engine_step
+            return engine_step(layer, x, pos, comm, attention)
+
+    ''') + source[end:]
+    (tmp_path / "ex04_tsp.py").write_text(cheat)
+    report = grade(tmp_path, only="4.2")
+    assert report.by_exercise()["4.2"] == (0, 4)
+    assert all("calls toyllm's own tsp_layer" in t.output for t in report.tests), [t.output for t in report.tests]
+    assert not list(tmp_path.rglob("__pycache__")), "the grader wrote bytecode beside the submission"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_wrong_step_fails_with_a_message_naming_the_run(tmp_path):
+    source = (ROOT / "solutions" / "ex04_tsp.py").read_text()
+    # a classic mistake: keys numbered from the rank's own offset instead of from 0
+    wrong = source.replace("k_pos = torch.arange(k_all.shape[-2], device=x.device)",
+                           "k_pos = torch.arange(k_all.shape[-2], device=x.device) + pos.start")
+    assert wrong != source
+    (tmp_path / "ex04_tsp.py").write_text(wrong)
+    report = grade(tmp_path, only="4.2")
+    failed = [t for t in report.tests if t.status != "passed"]
+    assert failed and all("tsp_layer in the engine, p=" in t.output and "differ from one process" in t.output
+                          for t in failed), [t.output[:300] for t in failed]
+
+
+def test_unknown_exercises_and_missing_result_folders_are_rejected_before_grading(tmp_path):
+    with pytest.raises(ValueError, match=r"no graded tests for exercise\(s\) \['4\.9'\]"):
+        grade("solutions", only="4.9")
+    with pytest.raises(ValueError, match="the folder .* does not exist"):
+        grade("solutions", only="3.1", results_path=tmp_path / "missing" / "results.json")
+
+
+def test_the_grader_writes_no_results_file_unless_asked():
+    from toyllm.grading import add_arguments
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).results is None

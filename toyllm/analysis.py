@@ -111,7 +111,7 @@ def kv_bytes_per_token(cfg: ModelConfig, bytes_per_value: float) -> int | float:
     return kv_cache_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 1, bytes_per_value)
 
 
-def static_kv_buffer_bytes(n_layers: int, n_heads: int, head_dim: int, max_seq_len: int,
+def static_kv_buffer_bytes(n_layers: int, n_kv_heads: int, head_dim: int, max_seq_len: int,
                            bits: int = 16, reserve: float = 2.0) -> int:
     """Bytes of a preallocated K/V buffer for a runtime without dynamic shapes.
 
@@ -119,9 +119,11 @@ def static_kv_buffer_bytes(n_layers: int, n_heads: int, head_dim: int, max_seq_l
     values, S = ``max_seq_len``: the static graph reads a left-padded window
     of S-1 rows, and with reserve=2 the window can slide right until the
     cache is full without a single copy. Total:
-    2 (K and V) * n_layers * n_heads * reserve * (S - 1) * head_dim * bits / 8.
+    2 (K and V) * n_layers * n_kv_heads * reserve * (S - 1) * head_dim * bits / 8.
+    Only key/value heads are cached: n_kv_heads < n_heads with grouped-query
+    attention (SmolLM2: 3 of 9), equal for multi-head attention.
 
-    Llama-7B (32 layers, 32 heads, D=128, S=2048, 16 bits): 2,146,435,072 bytes;
+    Llama-7B (multi-head: 32 layers, 32 KV heads, D=128, S=2048, 16 bits): 2,146,435,072 bytes;
     with reserve 1.5, i.e. S-1 + (S-1)/2 rows, 1,609,826,304 bytes (half rows
     allowed, as in the note: the total is still a whole number of bytes).
     """
@@ -133,7 +135,7 @@ def static_kv_buffer_bytes(n_layers: int, n_heads: int, head_dim: int, max_seq_l
         raise ValueError(f"bits must be a positive whole number of bits per value, got {bits}")
     # Exact rational arithmetic: 1.5 * 2047 rows is 3070.5, and the float route would round.
     rows = Fraction(reserve) * (max_seq_len - 1)
-    total = 2 * n_layers * n_heads * rows * head_dim * Fraction(bits) / 8
+    total = 2 * n_layers * n_kv_heads * rows * head_dim * Fraction(bits) / 8
     return math.ceil(total)
 
 

@@ -529,7 +529,16 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
         # a lesson asked for as a whole is graded whole, even if one of its exercises is also named
         whole = {_lesson_of(x) for x in names if not _EXERCISE_ID.match(str(x).strip())}
         only_exercises = {n: {e for e in exercise_ids if _lesson_of(e) == n} for n in wanted - whole}
+    if results_path is not None and not Path(results_path).expanduser().resolve().parent.is_dir():
+        raise ValueError(f"--results {results_path}: the folder {Path(results_path).expanduser().resolve().parent} "
+                         "does not exist; create it first")
     pending = sorted(set(local) | (set(_lesson_files(extra_dir)) if extra_dir else set()))
+    if only is not None:
+        known = _graded_exercise_ids(list(local.values()) + (list(extra_dir.rglob("test_*.py")) if extra_dir else []))
+        missing = sorted({e for e in exercise_ids if e not in known}, key=_exercise_key)
+        if missing:
+            raise ValueError(f"no graded tests for exercise(s) {missing}; graded exercises: "
+                             f"{sorted(known, key=_exercise_key)}")
     if wanted is not None:
         unknown = wanted - set(pending)
         if unknown:
@@ -582,6 +591,14 @@ def check(exercise: str, impl: str | os.PathLike | None = None) -> float:
     return report.score
 
 
+def _graded_exercise_ids(files) -> set[str]:
+    """Exercise ids named by ``@pytest.mark.exercise("N.M")`` in these test files."""
+    ids = set()
+    for path in files:
+        ids |= set(re.findall(r"""mark\.exercise\(\s*["'](\d+\.\d+)["']\s*\)""", Path(path).read_text()))
+    return ids
+
+
 def _run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env: str,
                 timeout_s: float, tmp: Path, exercises: set[str] | None = None) -> tuple[list[TestResult], set[int]]:
     """One pytest subprocess for one lesson; returns its results and every lesson its collection saw."""
@@ -591,11 +608,17 @@ def _run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env
            "-p", "toyllm.grading", "-p", "no:cacheprovider", f"--timeout={timeout_s:g}", "-q", "--no-header",
            "--import-mode=importlib", f"--rootdir={REPO_ROOT}", "-o", "console_output_style=classic"]
     env = dict(os.environ, **{IMPL_ENV: impl_env, _LOG_ENV: str(log), _LESSON_ENV: str(lesson),
-                              _EXERCISES_ENV: ",".join(sorted(exercises or ())), "PYTHONHASHSEED": "0"})
+                              _EXERCISES_ENV: ",".join(sorted(exercises or ())), "PYTHONHASHSEED": "0",
+                              "PYTHONDONTWRITEBYTECODE": "1"})   # no __pycache__ beside a submission
     with open(out, "wb") as sink:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        stalled = _watch(proc, log, timeout_s)
+        try:
+            # Tests that start worker processes carry their own, longer timeout marks: give them room.
+            stalled = _watch(proc, log, timeout_s + 90)
+        except BaseException:          # Ctrl-C or SIGTERM to the grader: end the test process group too
+            _kill_group(proc)
+            raise
     events = _read_log(log)
     tail = out.read_text(errors="replace")[-3000:]
     collected = [e for e in events if e["event"] == "collected"]
@@ -634,6 +657,15 @@ def _run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env
                                   score=item["points"] if status == "passed" else 0, max_score=item["points"],
                                   status=status, output=output, hidden=hidden))
     return results, seen_lessons
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """End ``proc`` and everything it started (it leads its own session)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
 
 
 def _watch(proc: subprocess.Popen, log: Path, timeout_s: float) -> float:
@@ -703,8 +735,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "e.g. --only ex01 or --only 1.2")
     parser.add_argument("--extra-tests", default=None, metavar="DIR",
                         help="folder of additional (hidden) graded tests, marked like tests/grading")
-    parser.add_argument("--results", default="results.json", metavar="PATH",
-                        help="where to write the Gradescope-format results (default: results.json)")
+    parser.add_argument("--results", default=None, metavar="PATH",
+                        help="also write the Gradescope-format results to this file (default: none)")
     parser.add_argument("--timeout", type=float, default=20, metavar="S",
                         help="seconds after which one test fails as timed out (default: 20)")
 
@@ -714,6 +746,8 @@ def main(args: argparse.Namespace) -> int:
     only = None
     if args.only:
         only = [part for chunk in args.only for part in chunk.split(",") if part.strip()]
+    # SIGTERM (a CI job cancelled, a container stopped) unwinds like Ctrl-C, so the test processes end too.
+    signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         report = grade(args.impl, only=only, extra_tests=args.extra_tests, results_path=args.results,
                        per_test_timeout_s=args.timeout, verbose=True)

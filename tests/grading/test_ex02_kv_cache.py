@@ -1,6 +1,6 @@
 """Graded tests of lesson 02 (ex02_kv_cache): 16 points.
 
-2.1 attention_with_offset 6, 2.2 kv_cache_bytes 3, 2.3 static_buffer_bytes 3, 2.4 cached_generate 4.
+2.1 attention_with_offset 6, 2.2 kv_cache_bytes 3, 2.3 static_buffer_bytes 4, 2.4 cached_generate 4.
 References: ``toyllm.model.dense_attention``, the model's own logits without
 a cache, ``toyllm.analysis`` and the byte counts of ``toyllm.cache``.
 """
@@ -140,6 +140,16 @@ def test_ex2_3_matches_the_static_cache(ex02):
         ex02.static_buffer_bytes(32, 32, 128, 2048, reserve=2.5)
     with pytest.raises(ValueError):
         ex02.static_buffer_bytes(32, 32, 128, 1)
+
+
+@pytest.mark.exercise("2.3")
+@pytest.mark.points(1)
+def test_ex2_3_counts_only_the_key_value_heads(ex02):
+    """SmolLM2 caches 3 K/V heads for its 9 query heads: the buffer is 3x smaller than with 9."""
+    got = ex02.static_buffer_bytes(30, 3, 64, 8192, bits=16)
+    expected = 2 * 30 * 3 * 2 * 8191 * 64 * 2
+    assert got == expected and type(got) is int, (
+        f"static_buffer_bytes(30 blocks, 3 KV heads, head_dim 64, S=8192, 16 bits): expected {expected:,}, got {got!r}")
 
 
 # --------------------------------------------------------------------------- 2.4
