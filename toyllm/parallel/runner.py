@@ -318,7 +318,7 @@ def parallel_prefill(spec: ModelSpec | str, ids: list[int], method: str = "kvr",
                      step: str | Callable | None = None,
                      link: LinkModel | None = None, repeat: int = 1, warmup: int = 1, threads_per_rank: int = 1,
                      backend: str = "auto", return_cache: bool = False, decode_tokens: int = 0,
-                     pool: WorkerPool | None = None, timeout_s: float = 300.0) -> PrefillResult:
+                     pool: WorkerPool | None = None, timeout_s: float | None = None) -> PrefillResult:
     """Prefill ``ids`` on ``world_size`` processes with "tsp" or "kvr" (or "single": this process).
 
     partition: tokens per rank (default: even split). overlap: KVR posts its
@@ -330,7 +330,8 @@ def parallel_prefill(spec: ModelSpec | str, ids: list[int], method: str = "kvr",
     own per-layer step (see ``toyllm.parallel.steps``) instead of the
     engine's. repeat: timed runs, after ``warmup`` untimed ones, in the same
     processes. pool: reuse a running WorkerPool of the right size instead of
-    starting processes. Everything is checked here, before any work starts.
+    starting processes. timeout_s: wall-clock limit in seconds (default: the
+    pool's, or 300 for new processes). Everything is checked here, before any work starts.
     """
     spec = ModelSpec(spec) if isinstance(spec, str) else spec
     ids = [int(t) if not isinstance(t, bool) and hasattr(t, "__index__") else t for t in ids]
@@ -349,8 +350,8 @@ def parallel_prefill(spec: ModelSpec | str, ids: list[int], method: str = "kvr",
     if pool is not None:
         outs = pool.run(prefill_rank, args, kwargs, timeout_s=timeout_s)
     else:
-        outs = run_parallel(prefill_rank, world_size, args, kwargs, backend=backend, timeout_s=timeout_s,
-                            threads_per_rank=threads_per_rank)
+        outs = run_parallel(prefill_rank, world_size, args, kwargs, backend=backend,
+                            timeout_s=300.0 if timeout_s is None else timeout_s, threads_per_rank=threads_per_rank)
     return _merge(outs, method=method, chunks=chunks, threads=threads_per_rank, overlap=overlap, link=link,
                   balance=balance, attention=spec.attention)
 
