@@ -409,3 +409,26 @@ def test_the_grader_writes_no_results_file_unless_asked():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert parser.parse_args([]).results is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_deadlocking_step_loses_its_points_and_leaves_no_process(tmp_path):
+    import psutil
+
+    source = (ROOT / "solutions" / "ex05_kv_runahead.py").read_text()
+    # forgets to send: rank 1 waits forever for a prefix that never comes
+    deadlock = source.replace("    chain.send(k, v)\n    k_pos = torch.arange(k.shape[-2], device=x.device)\n"
+                              "    out = layer.attend(q, k, v, pos.q_pos, k_pos, attention)\n"
+                              "    return layer.finish(x, out), k, v\n    # END SOLUTION\n\n\ndef kvr_layer(",
+                              "    k_pos = torch.arange(k.shape[-2], device=x.device)\n"
+                              "    out = layer.attend(q, k, v, pos.q_pos, k_pos, attention)\n"
+                              "    return layer.finish(x, out), k, v\n    # END SOLUTION\n\n\ndef kvr_layer(")
+    assert deadlock != source
+    (tmp_path / "ex05_kv_runahead.py").write_text(deadlock)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    report = grade(tmp_path, only="5.1")
+    assert report.by_exercise()["5.1"] == (0, 4)
+    assert all("kvr_layer_blocking in the engine" in t.output and "the run failed" in t.output
+               for t in report.tests), [t.output[:200] for t in report.tests]
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before

@@ -296,7 +296,7 @@ class ParallelCountsExplorer(_Explorer):
 
     def __init__(self, context: int = 4096, world_size: int = 4, share: float | None = None, plot: bool = True):
         super().__init__(plot)
-        self.context = W.IntSlider(context, min=16, max=32768, step=16, description="context C (tokens)", **_SLIDER)
+        self.context = W.IntSlider(context, min=2, max=32768, description="context C (tokens)", **_SLIDER)
         self.world_size = W.IntSlider(world_size, min=2, max=8, description="processes p", **_SLIDER)
         self.share = W.FloatSlider(1 / world_size if share is None else share, min=0.05, max=0.95, step=0.01,
                                    description="rank 0's share (KVR)", **_SLIDER)

@@ -44,7 +44,7 @@ def run_step(step, p, chunks, pools, seed=0, n_kv_heads=2):
     ref_logits, ref_cache = single_prefill(spec.build(), ids)
     try:
         got = parallel_prefill(spec, ids, "tsp", p, chunks, step=step, pool=pools(p), warmup=0,
-                               return_cache=True, timeout_s=30)
+                               return_cache=True, timeout_s=20)
     except Exception as e:   # a crash, a wrong shape or a deadlock in the student's step
         pytest.fail(f"tsp_layer in the engine, p={p}, chunks {chunks}: the run failed: {str(e).splitlines()[0]}")
     diff = (got.logits - ref_logits).abs().max().item()

@@ -22,7 +22,7 @@ def run_step(step, name, p, chunks, pools, seed=0, decode=0):
     ref_logits, _ = single_prefill(spec.build(), ids)
     try:
         got = parallel_prefill(spec, ids, "kvr", p, chunks, step=step, pool=pools(p), warmup=0,
-                               decode_tokens=decode, timeout_s=30)
+                               decode_tokens=decode, timeout_s=20)
     except Exception as e:   # a crash, a wrong shape or a deadlock (a send with no receive) in the step
         pytest.fail(f"{name} in the engine, p={p}, chunks {chunks}: the run failed: {str(e).splitlines()[0]}")
     diff = (got.logits - ref_logits).abs().max().item()
