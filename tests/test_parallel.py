@@ -260,3 +260,19 @@ def test_smollm2_long_prompt_every_method_equals_one_process(smollm2, pools, ker
         diff = (r.logits - ref_logits).abs().max().item()
         assert diff < ATOL, f"{method} {partition or balance} with {kernel}: max |logit diff| {diff:.2e}"
         assert r.first_token == int(ref_logits.argmax()) and r.decoded == expected, (method, balance, kernel)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_smollm2_at_its_full_8k_context_with_the_causal_kernel(smollm2, pools):
+    """SmolLM2's whole context, p = 2, KV-Runahead at a causal-aware split: logits (1e-4) and decoding as one process."""
+    model, _ = smollm2
+    spec = ModelSpec("smollm2-135m", attention="causal")
+    ids = random_prompt(8192 - 4, model.config.vocab_size, seed=12)
+    ref_logits, ref_cache = single_prefill(spec.build(), ids)
+    expected = generate(spec.build(), ids, 4, cache=ref_cache, prefilled_logits=ref_logits).output_ids
+    r = parallel_prefill(spec, ids, "kvr", 2, [5730, 8188 - 5730], pool=pools(2), warmup=0, decode_tokens=4,
+                         timeout_s=800)
+    diff = (r.logits - ref_logits).abs().max().item()
+    assert diff < ATOL, f"max |logit diff| {diff:.2e}"
+    assert r.first_token == int(ref_logits.argmax()) and r.decoded == expected

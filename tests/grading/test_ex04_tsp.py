@@ -12,7 +12,13 @@ from toyllm.utils import random_prompt
 
 ENGINE_STEPS = {"tsp_layer", "tsp_trimmed_layer", "tsp_zigzag_layer", "kvr_layer", "kvr_layer_blocking",
                 "default_step", "single_prefill", "parallel_prefill"}
-ATOL = 1e-4      # float32 logits: the ranks sum the same products in another order
+ATOL = 1e-4
+
+
+def root_cause(error: Exception) -> str:
+    """The line a student needs: the last line of the failing rank's traceback (or the error itself)."""
+    text = (getattr(error, "traceback", "") or str(error)).strip()
+    return text.splitlines()[-1] if text else type(error).__name__      # float32 logits: the ranks sum the same products in another order
 
 
 # --------------------------------------------------------------------------- 4.1
@@ -46,7 +52,7 @@ def run_step(step, p, chunks, pools, seed=0, n_kv_heads=2):
         got = parallel_prefill(spec, ids, "tsp", p, chunks, step=step, pool=pools(p), warmup=0,
                                return_cache=True, timeout_s=20)
     except Exception as e:   # a crash, a wrong shape or a deadlock in the student's step
-        pytest.fail(f"tsp_layer in the engine, p={p}, chunks {chunks}: the run failed: {str(e).splitlines()[0]}")
+        pytest.fail(f"tsp_layer in the engine, p={p}, chunks {chunks}: the run failed: {root_cause(e)}")
     diff = (got.logits - ref_logits).abs().max().item()
     assert diff < ATOL, (f"tsp_layer in the engine, p={p}, chunks {chunks}: first-token logits differ from one "
                          f"process by {diff:.2e} (allowed {ATOL:g})")

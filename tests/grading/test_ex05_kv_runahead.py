@@ -16,6 +16,12 @@ ENGINE_STEPS = {"tsp_layer", "tsp_trimmed_layer", "tsp_zigzag_layer", "kvr_layer
 ATOL = 1e-4
 
 
+def root_cause(error: Exception) -> str:
+    """The line a student needs: the last line of the failing rank's traceback (or the error itself)."""
+    text = (getattr(error, "traceback", "") or str(error)).strip()
+    return text.splitlines()[-1] if text else type(error).__name__
+
+
 def run_step(step, name, p, chunks, pools, seed=0, decode=0):
     ids = random_prompt(sum(chunks), 256, seed)
     spec = ModelSpec("tiny")
@@ -24,7 +30,7 @@ def run_step(step, name, p, chunks, pools, seed=0, decode=0):
         got = parallel_prefill(spec, ids, "kvr", p, chunks, step=step, pool=pools(p), warmup=0,
                                decode_tokens=decode, timeout_s=20)
     except Exception as e:   # a crash, a wrong shape or a deadlock (a send with no receive) in the step
-        pytest.fail(f"{name} in the engine, p={p}, chunks {chunks}: the run failed: {str(e).splitlines()[0]}")
+        pytest.fail(f"{name} in the engine, p={p}, chunks {chunks}: the run failed: {root_cause(e)}")
     diff = (got.logits - ref_logits).abs().max().item()
     assert diff < ATOL, (f"{name} in the engine, p={p}, chunks {chunks}: first-token logits differ from one "
                          f"process by {diff:.2e} (allowed {ATOL:g})")

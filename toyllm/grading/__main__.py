@@ -1,0 +1,3 @@
+from .cli import _cli
+
+raise SystemExit(_cli())

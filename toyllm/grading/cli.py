@@ -1,0 +1,73 @@
+"""``python -m toyllm grade`` and ``python -m toyllm.grading grade|sync``."""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from .course import course_root
+from .grader import GradingError, grade
+from .stubs import sync
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of the ``grade`` command (shared by ``python -m toyllm grade``)."""
+    parser.add_argument("--impl", default="exercises", metavar="exercises|solutions|DIR",
+                        help="implementation to grade: the exercises, the model answers or a student's folder")
+    parser.add_argument("--only", action="append", metavar="exNN|N.M",
+                        help="grade only this lesson or exercise (repeatable, or comma-separated), "
+                             "e.g. --only ex01 or --only 1.2")
+    parser.add_argument("--extra-tests", default=None, metavar="DIR",
+                        help="folder of additional (hidden) graded tests, marked like tests/grading")
+    parser.add_argument("--results", default=None, metavar="PATH",
+                        help="also write the Gradescope-format results to this file (default: none)")
+    parser.add_argument("--timeout", type=float, default=20, metavar="S",
+                        help="seconds after which one test fails as timed out (default: 20)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Grade, print the table, write the results file. Exit code 0 whenever grading ran, whatever the score."""
+    only = None
+    if args.only:
+        only = [part for chunk in args.only for part in chunk.split(",") if part.strip()]
+    # SIGTERM (a CI job cancelled, a container stopped) unwinds like Ctrl-C, so the test processes end too.
+    signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        report = grade(args.impl, only=only, extra_tests=args.extra_tests, results_path=args.results,
+                       per_test_timeout_s=args.timeout, verbose=True)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except GradingError as e:
+        print(f"grading failed: {e}", file=sys.stderr)
+        return 1
+    print(report.table())
+    if args.results:
+        print(f"\nwrote {args.results}")
+    return 0
+
+
+def _cli(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m toyllm.grading", description="Grade exercises; keep stubs in sync.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_arguments(sub.add_parser("grade", help="run the graded tests and score them"))
+    s = sub.add_parser("sync", help="write exercises/ from solutions/ (stubs from model answers)")
+    s.add_argument("--check", action="store_true", help="change nothing; exit 1 if exercises/ is out of date")
+    s.add_argument("--force", action="store_true", help="overwrite exercise files even if they hold answers")
+    args = parser.parse_args(argv)
+    if args.command == "grade":
+        return main(args)
+    try:
+        changed = sync(check=args.check, force=args.force)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for path in changed:
+        print(("out of date: " if args.check else "wrote ") + str(path.relative_to(course_root())))
+    if args.check and changed:
+        print("run `python -m toyllm.grading sync` to update exercises/", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_cli())

@@ -1,0 +1,105 @@
+"""Which implementation runs: the learner's exercises, the model answers, or a submitted folder.
+
+Every lesson's exercises exist twice with the same signatures:
+``exercises/exNN_*.py`` (stubs the learner fills in) and
+``solutions/exNN_*.py`` (model answers). ``load_exercise("ex01")`` returns
+the module of the implementation chosen by the ``TOYLLM_IMPL`` environment
+variable: ``exercises`` (the default), ``solutions``, or the path of a
+folder holding a student's ``exNN_*.py`` files. Notebooks and graded tests
+reach exercise code *only* through ``load_exercise``; in pytest, ``--impl``
+overrides the variable.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from .course import exercises_dir, solutions_dir
+
+IMPL_ENV = "TOYLLM_IMPL"
+DEFAULT_IMPL = "exercises"
+NAMED_IMPLS = {"exercises": exercises_dir, "solutions": solutions_dir}
+
+def resolve_impl(impl: str | os.PathLike | None = None) -> Path:
+    """The folder of implementation ``impl`` (default: ``$TOYLLM_IMPL``, else ``exercises``).
+
+    ``"exercises"`` and ``"solutions"`` name the repository's folders; any
+    other value is a path to a folder (relative to the current directory)
+    that holds ``exNN_*.py`` files.
+    """
+    if impl is None:
+        impl = os.environ.get(IMPL_ENV) or DEFAULT_IMPL
+    impl = str(impl)
+    if impl in NAMED_IMPLS:
+        folder = NAMED_IMPLS[impl]()
+    else:
+        folder = Path(impl).expanduser().resolve()
+    if not folder.is_dir():
+        raise ValueError(f"implementation {impl!r} is not a folder; use 'exercises', 'solutions' or the path "
+                         f"of a folder that holds exNN_*.py files (set with {IMPL_ENV} or --impl)")
+    return folder
+
+
+def current_impl() -> str:
+    """The implementation ``load_exercise`` uses now: ``exercises``, ``solutions`` or a folder path."""
+    return os.environ.get(IMPL_ENV) or DEFAULT_IMPL
+
+
+def _exercise_file(folder: Path, name: str) -> Path:
+    """``folder/exNN_*.py`` for ``name`` = "ex01", "ex01_naive_generation" or "1"."""
+    stem = name[:-3] if name.endswith(".py") else name
+    if stem.isdigit():
+        stem = f"ex{int(stem):02d}"
+    if not re.fullmatch(r"ex\d\d(_\w+)?", stem):
+        raise ValueError(f"exercise module name must look like 'ex01' or 'ex01_naive_generation', got {name!r}")
+    exact = folder / f"{stem}.py"
+    if exact.is_file():
+        return exact
+    matches = sorted(folder.glob(f"{stem}_*.py")) if len(stem) == 4 else []
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise ValueError(f"no file for exercise module {name!r} in {folder} (expected {stem}_*.py)")
+    raise ValueError(f"exercise module {name!r} is ambiguous in {folder}: {[m.name for m in matches]}")
+
+
+_loaded: dict[Path, tuple[tuple[int, int], ModuleType]] = {}
+
+
+def load_exercise(name: str, impl: str | os.PathLike | None = None) -> ModuleType:
+    """The module ``name`` ("ex01" or "ex01_naive_generation") of the chosen implementation.
+
+    impl: "exercises", "solutions" or a folder; by default ``$TOYLLM_IMPL``
+    (``exercises`` when unset). This is THE way notebooks and tests reach
+    exercise code, so that one switch decides whose code runs.
+
+    The file is imported from its path (no change to ``sys.path``) under a
+    private module name. A file edited since its last load is loaded again,
+    so re-running a notebook cell picks up your latest code.
+    """
+    path = _exercise_file(resolve_impl(impl), name)
+    stat = path.stat()
+    stamp = (stat.st_mtime_ns, stat.st_size)
+    cached = _loaded.get(path)
+    if cached is not None and cached[0] == stamp:
+        return cached[1]
+    tag = path.parent.name if path.parent in NAMED_IMPLS.values() else \
+        "dir_" + hashlib.sha1(str(path.parent).encode()).hexdigest()[:8]
+    module_name = f"_toyllm_{tag}_{path.stem}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module       # what the import system does too (dataclasses, pickling need it)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(module_name, None)
+        raise
+    _loaded[path] = (stamp, module)
+    return module
+
+

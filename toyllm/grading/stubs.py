@@ -1,0 +1,132 @@
+"""Exercise stubs generated from the model answers, so the two never drift apart.
+
+A model answer sits between two marker comments inside a function body::
+
+    # BEGIN SOLUTION 1.2 hint: divide by the temperature, then torch.multinomial
+    ...
+    # END SOLUTION
+
+``make_stub`` replaces each marked region by
+``raise NotImplementedError("Exercise 1.2: implement <function> (hint: ...)")``
+and keeps everything else (signatures, docstrings). ``python -m
+toyllm.grading sync`` rewrites ``exercises/`` from ``solutions/``;
+``sync --check`` only reports files that are out of date.
+"""
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+
+from .course import exercises_dir as default_exercises_dir
+from .course import solutions_dir as default_solutions_dir
+
+_BEGIN = re.compile(r"^(?P<indent>[ \t]*)# BEGIN SOLUTION(?P<rest>.*)$")
+_END = re.compile(r"^[ \t]*# END SOLUTION\s*$")
+_BEGIN_REST = re.compile(r"^ (?P<id>\d+\.\d+)(?: hint: (?P<hint>.+?))?\s*$")
+_DEF = re.compile(r"^(?P<indent>[ \t]*)(?:async )?def (?P<name>\w+)\s*\(")
+
+
+def make_stub(source: str) -> str:
+    """The exercise version of a solution file: each marked model answer becomes a NotImplementedError.
+
+    A region starts at ``# BEGIN SOLUTION N.M hint: ...`` (hint optional)
+    and ends at ``# END SOLUTION``; both lines and everything between them
+    are replaced by one ``raise NotImplementedError("Exercise N.M: implement
+    <function> (hint: ...)")`` at the marker's indentation. The function is
+    the nearest enclosing ``def``. Raises ValueError for unbalanced or
+    malformed markers, naming the line.
+    """
+    lines = source.splitlines(keepends=True)
+    out: list[str] = []
+    region_start = None       # line number of an open BEGIN
+    for no, line in enumerate(lines, start=1):
+        text = line.rstrip("\r\n")
+        begin, end = _BEGIN.match(text), _END.match(text)
+        if begin:
+            if region_start is not None:
+                raise ValueError(f"line {no}: BEGIN SOLUTION inside the region opened on line {region_start}")
+            rest = _BEGIN_REST.match(begin["rest"])
+            if rest is None:
+                raise ValueError(f"line {no}: expected '# BEGIN SOLUTION N.M hint: ...', got {text.strip()!r}")
+            indent = begin["indent"]
+            func = _enclosing_function(lines[:no - 1], indent)
+            if func is None:
+                raise ValueError(f"line {no}: a solution region must sit inside a function body")
+            message = f"Exercise {rest['id']}: implement {func}"
+            if rest["hint"]:
+                message += f" (hint: {rest['hint']})"
+            out.append(_raise_statement(indent, message))
+            region_start = no
+        elif end:
+            if region_start is None:
+                raise ValueError(f"line {no}: END SOLUTION without a BEGIN SOLUTION before it")
+            region_start = None
+        elif region_start is None:
+            out.append(line)
+    if region_start is not None:
+        raise ValueError(f"line {region_start}: BEGIN SOLUTION is never closed by END SOLUTION")
+    return "".join(out)
+
+
+def _raise_statement(indent: str, message: str, width: int = 100) -> str:
+    """``raise NotImplementedError("...")``, its message split over several string literals if long."""
+    one_line = f"{indent}raise NotImplementedError({_quote(message)})\n"
+    if len(one_line) <= width + 1:
+        return one_line
+    inner = indent + " " * 4
+    chunks = textwrap.wrap(message, width - len(inner) - 2, break_long_words=False, drop_whitespace=False)
+    body = "\n".join(inner + _quote(c) for c in chunks)
+    return f"{indent}raise NotImplementedError(\n{body})\n"
+
+
+def _quote(text: str) -> str:
+    """A double-quoted Python string literal of ``text``."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _enclosing_function(previous_lines: list[str], indent: str) -> str | None:
+    for line in reversed(previous_lines):
+        m = _DEF.match(line)
+        if m and len(m["indent"]) < len(indent):
+            return m["name"]
+    return None
+
+
+def _stubs(source: str) -> dict[str, str]:
+    """{exercise id: function} of the stubs (``raise NotImplementedError("Exercise N.M: implement f``) in ``source``."""
+    found = re.findall(r"raise NotImplementedError\(\s*['\"]Exercise (\d+\.\d+): implement (\w+)", source)
+    return dict(found)
+
+
+def sync(check: bool = False, force: bool = False, solutions_dir: Path | None = None,
+         exercises_dir: Path | None = None) -> list[Path]:
+    """Write ``exercises/`` from ``solutions/`` (every ``*.py``); returns the files that were (or would be) changed.
+
+    check: change nothing, only report. Without ``force`` a file whose stubs
+    were already replaced by someone's work is left alone (ValueError), so a
+    learner cannot wipe out their answers by running this by mistake.
+    """
+    solutions_dir = Path(solutions_dir) if solutions_dir is not None else default_solutions_dir()
+    exercises_dir = Path(exercises_dir) if exercises_dir is not None else default_exercises_dir()
+    changed = []
+    for sol in sorted(solutions_dir.glob("*.py")):
+        target = exercises_dir / sol.name
+        new = make_stub(sol.read_text())
+        old = target.read_text() if target.exists() else None
+        if old == new:
+            continue
+        changed.append(target)
+        if check:
+            continue
+        # A function that is in the old file but no longer raises its stub has been answered by someone.
+        answered = set() if old is None else {
+            ex for ex, func in _stubs(new).items()
+            if ex not in _stubs(old) and re.search(rf"^\s*def {func}\(", old, re.MULTILINE)}
+        if answered and not force:
+            raise ValueError(f"{target} holds answers to exercise(s) {sorted(answered)} instead of their stubs; "
+                             f"not overwriting it. Pass --force to replace it anyway")
+        target.write_text(new)
+    return changed
+
+
