@@ -266,3 +266,76 @@ def test_free_port_can_be_bound():
 def test_rank_context_fields():
     ctx = RankContext(rank=1, world_size=2, backend="gloo", device=torch.device("cpu"))
     assert (ctx.rank, ctx.world_size, ctx.backend, ctx.device.type) == (1, 2, "gloo", "cpu")
+
+
+# --------------------------------------------------------------------------- no orphans in the corners
+
+def _all_gone(pids, within_s: float = 10.0) -> bool:
+    """True once every pid has exited (a zombie waiting for its new parent to reap it counts as exited)."""
+    import time
+
+    def alive(pid):
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + within_s
+    while any(alive(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_processes_a_worker_starts_end_with_the_pool(tmp_path):
+    with WorkerPool(2, timeout_s=60) as pool:
+        pids = pool.run(W.start_grandchild)
+        assert all(psutil.pid_exists(pid) for pid in pids)
+    assert _all_gone(pids), "a process started by a worker outlived the pool"
+
+
+@pytest.mark.timeout(120)
+def test_workers_that_ignore_sigterm_are_still_ended():
+    pool = WorkerPool(2, timeout_s=60)
+    pids = list(pool.pids)
+    pool.run(W.ignore_sigterm)
+    pool.close()
+    assert _all_gone(pids)
+
+
+@pytest.mark.timeout(120)
+def test_an_interrupted_shutdown_can_be_finished_with_close(monkeypatch):
+    import toyllm.launch as launch
+
+    pool = WorkerPool(2, timeout_s=60)
+    pids = list(pool.pids)
+    real = launch._join_all
+
+    def interrupted(procs, grace_s):
+        monkeypatch.setattr(launch, "_join_all", real)
+        raise KeyboardInterrupt                 # a second Ctrl-C while the pool waits for its workers
+
+    monkeypatch.setattr(launch, "_join_all", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pool.close()
+    pool.close()
+    assert pool.closed
+    assert _all_gone(pids)
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_idle_worker_shows_in_repr_and_fails_the_next_run():
+    import signal as sig
+
+    pool = WorkerPool(2, timeout_s=60)
+    try:
+        os.kill(pool.pids[1], sig.SIGKILL)
+        pool._workers.procs[1].join(10)                      # the parent notices the death
+        assert "broken: rank 1 was killed by SIGKILL" in repr(pool)
+        with pytest.raises(WorkerError, match="rank 1"):
+            pool.run(W.rank_info)
+        assert pool.closed
+    finally:
+        pool.close()

@@ -60,6 +60,21 @@ def exit_on_rank(ctx, bad_rank: int, code: int, pid_dir: str) -> int:
     return ctx.rank
 
 
+def start_grandchild(ctx) -> int:
+    """Start a long sleep as a child of this worker; return its pid (the pool must end it too)."""
+    import subprocess
+
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"]).pid
+
+
+def ignore_sigterm(ctx) -> int:
+    """From now on this worker ignores SIGTERM, as a stubborn library might make it."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return os.getpid()
+
+
 def failing_step(layer, x, pos, comm, attention):
     """A parallel-prefill step that raises on rank 1 (the others then wait on it until the run is stopped)."""
     if comm.rank == 1:

@@ -211,6 +211,20 @@ def _join_all(procs: list, grace_s: float) -> None:
         p.join(max(0.0, deadline - time.monotonic()))
 
 
+def _signal_groups(procs: list, sig: int) -> None:
+    """Send ``sig`` to each worker's process group (the worker and whatever it started)."""
+    for p in procs:
+        if p.pid is None:
+            continue
+        try:
+            os.killpg(p.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            try:                        # not a group leader (yet): signal the worker itself
+                os.kill(p.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
 def _describe_exit(exitcode: int | None) -> str:
     if exitcode is None:
         return "stopped responding"
@@ -244,6 +258,7 @@ def _worker_main(rank: int, world_size: int, backend: str, port: int, pg_timeout
                  threads_per_rank: int, parent_pid: int, conn) -> None:
     """Join the process group, then run tasks from ``conn`` until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's business; it kills us
+    os.setpgid(0, 0)                               # our own process group: shutdown reaches our children too
     _exit_when_orphaned(parent_pid)
     torch.set_num_threads(threads_per_rank)        # p ranks share the cores: no oversubscription
     try:
@@ -292,28 +307,33 @@ class _Workers:
         self.done = False
 
     def shutdown(self, graceful: bool = True) -> None:
-        """Stop every process: ask politely (if ``graceful``), then SIGTERM, then SIGKILL. Idempotent."""
+        """Stop every process: ask politely (if ``graceful``), then SIGTERM, then SIGKILL. Idempotent.
+
+        Each worker leads its own process group, so the signals also reach
+        processes a worker started. An interruption (a second Ctrl-C) during
+        the polite part still ends with every process killed, and ``done`` is
+        only set once that happened, so calling this again finishes the job.
+        """
         if self.done:
             return
-        self.done = True
-        if graceful:
-            for conn in self.conns:
-                try:
-                    conn.send_bytes(_STOP)
-                except OSError:
-                    pass
-            _join_all(self.procs, _STOP_GRACE_S)
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-        _join_all(self.procs, _KILL_GRACE_S)
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
+        try:
+            if graceful:
+                for conn in self.conns:
+                    try:
+                        conn.send_bytes(_STOP)
+                    except OSError:
+                        pass
+                _join_all(self.procs, _STOP_GRACE_S)
+            _signal_groups(self.procs, signal.SIGTERM)
+            _join_all(self.procs, _KILL_GRACE_S)
+        finally:
+            _signal_groups(self.procs, signal.SIGKILL)     # workers ignoring SIGTERM, and their children
+            for p in self.procs:
                 p.join(_KILL_GRACE_S)
-        for conn in self.conns:
-            conn.close()
-        self.store = None   # closes the rendezvous server
+            for conn in self.conns:
+                conn.close()
+            self.store = None   # closes the rendezvous server
+            self.done = True
 
 
 class WorkerPool:
@@ -407,7 +427,7 @@ class WorkerPool:
             self._finalizer()           # runs shutdown once, then never again
         else:
             self._finalizer.detach()
-            self._workers.shutdown(graceful=False)
+        self._workers.shutdown(graceful=False)   # finishes a shutdown an interruption cut short
 
     def __enter__(self) -> "WorkerPool":
         return self
@@ -416,7 +436,9 @@ class WorkerPool:
         self.close(graceful=exc_type is None)
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else "running"
+        dead = [f"rank {r} {_describe_exit(p.exitcode)}" for r, p in enumerate(self._workers.procs)
+                if not self.closed and not p.is_alive()]
+        state = "closed" if self.closed else ("broken: " + "; ".join(dead) if dead else "running")
         return f"WorkerPool(world_size={self.world_size}, backend={self.backend!r}, {state}, pids={self.pids})"
 
     # -- internals ------------------------------------------------------------
