@@ -46,7 +46,7 @@ def test_static_buffer_llama_7b():
 @pytest.mark.parametrize("kwargs, message", [({"max_seq_len": 1}, "at least 2"), ({"reserve": 2.5}, "reserve"),
                                              ({"reserve": 0.5}, "reserve"), ({"bits": 0}, "bits")])
 def test_static_buffer_errors(kwargs, message):
-    args = {"n_layers": 32, "n_heads": 32, "head_dim": 128, "max_seq_len": 2048, **kwargs}
+    args = {"n_layers": 32, "n_kv_heads": 32, "head_dim": 128, "max_seq_len": 2048, **kwargs}
     with pytest.raises(ValueError, match=message):
         static_kv_buffer_bytes(**args)
 
