@@ -82,7 +82,7 @@ def test_stops_on_eos_and_streams_tokens():
     (dict(max_new_tokens=1020), r"exceeds max_context=1024"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-    (dict(temperature=-0.5), "temperature must be >= 0"),
+    (dict(temperature=-0.5), "temperature must be a finite number >= 0"),
     (dict(top_k=0), "top_k must be a positive integer"),
     (dict(method="magic"), "unknown method 'magic'"),
     (dict(cache="paged"), "unknown cache 'paged'"),
