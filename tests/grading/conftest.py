@@ -55,7 +55,13 @@ def ex05():
     return load_exercise("ex05")
 
 
-def _assert_independent(fn, forbidden: set[str], exercise: str) -> None:
+# toyllm's own answers to the engine exercises of lessons 04-05: a step naming one scores nothing.
+ENGINE_STEPS = {"tsp_layer", "tsp_trimmed_layer", "tsp_zigzag_layer", "kvr_layer", "kvr_layer_blocking",
+                "default_step", "single_prefill", "parallel_prefill"}
+ENGINE_ATOL = 1e-4      # float32 logits: the ranks sum the same products in another order
+
+
+def _assert_independent(fn, exercise: str, forbidden: set[str] = ENGINE_STEPS) -> None:
     """Fail with a clear message when ``fn``'s source names one of toyllm's own implementations.
 
     A submission must do the work itself: calling the library's answer to the
@@ -78,10 +84,40 @@ def _assert_independent(fn, forbidden: set[str], exercise: str) -> None:
                        "write the steps yourself (this exercise scores 0 otherwise)")
 
 
+def _root_cause(error: Exception) -> str:
+    """The line a student needs: the last line of the failing rank's traceback (or the error itself)."""
+    text = (getattr(error, "traceback", "") or str(error)).strip()
+    return text.splitlines()[-1] if text else type(error).__name__
+
+
 @pytest.fixture
-def assert_independent():
-    """``assert_independent(fn, forbidden_names, "4.2")``: see ``_assert_independent``."""
-    return _assert_independent
+def engine_run(pools):
+    """``engine_run(step, "4.2", "tsp", p, chunks, seed=..., spec=..., decode=...)`` -> (result, one-process cache).
+
+    Checks that ``step`` is the student's own, runs it inside the real engine
+    on p gloo processes (a crash, a wrong shape or a deadlock fails within 20 s)
+    and compares the first-token logits with the one-process forward pass.
+    """
+    from toyllm.parallel import ModelSpec, parallel_prefill, single_prefill
+    from toyllm.utils import random_prompt
+
+    def run(step, exercise, method, p, chunks, *, seed=0, spec=None, decode=0):
+        _assert_independent(step, exercise)
+        spec = spec or ModelSpec("tiny")
+        ids = random_prompt(sum(chunks), 256, seed)
+        ref_logits, ref_cache = single_prefill(spec.build(), ids)
+        where = f"{step.__name__} in the engine, p={p}, chunks {chunks}"
+        try:
+            got = parallel_prefill(spec, ids, method, p, chunks, step=step, pool=pools(p), warmup=0,
+                                   return_cache=True, decode_tokens=decode, timeout_s=20)
+        except Exception as e:
+            pytest.fail(f"{where}: the run failed: {_root_cause(e)}")
+        diff = (got.logits - ref_logits).abs().max().item()
+        assert diff < ENGINE_ATOL, (f"{where}: first-token logits differ from one process by {diff:.2e} "
+                                    f"(allowed {ENGINE_ATOL:g})")
+        return got, ref_cache
+
+    return run
 
 
 @pytest.fixture(scope="module")

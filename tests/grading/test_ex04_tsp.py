@@ -5,20 +5,10 @@ References live here: counts written out from the definitions, and the
 one-process forward pass of the tiny model for the engine runs.
 """
 import pytest
-import torch
 
-from toyllm.parallel import ModelSpec, parallel_prefill, single_prefill
-from toyllm.utils import random_prompt
+from toyllm.parallel import ModelSpec
 
-ENGINE_STEPS = {"tsp_layer", "tsp_trimmed_layer", "tsp_zigzag_layer", "kvr_layer", "kvr_layer_blocking",
-                "default_step", "single_prefill", "parallel_prefill"}
-ATOL = 1e-4
-
-
-def root_cause(error: Exception) -> str:
-    """The line a student needs: the last line of the failing rank's traceback (or the error itself)."""
-    text = (getattr(error, "traceback", "") or str(error)).strip()
-    return text.splitlines()[-1] if text else type(error).__name__      # float32 logits: the ranks sum the same products in another order
+ATOL = 1e-4      # float32 K/V: the ranks sum the same products in another order
 
 
 # --------------------------------------------------------------------------- 4.1
@@ -44,18 +34,9 @@ def test_ex4_1_uneven_chunks_and_bad_input(ex04):
 
 # --------------------------------------------------------------------------- 4.2
 
-def run_step(step, p, chunks, pools, seed=0, n_kv_heads=2):
+def run_tsp(engine_run, step, p, chunks, seed=0, n_kv_heads=2):
     spec = ModelSpec("tiny", overrides=(("n_kv_heads", n_kv_heads),)) if n_kv_heads != 2 else ModelSpec("tiny")
-    ids = random_prompt(sum(chunks), 256, seed)
-    ref_logits, ref_cache = single_prefill(spec.build(), ids)
-    try:
-        got = parallel_prefill(spec, ids, "tsp", p, chunks, step=step, pool=pools(p), warmup=0,
-                               return_cache=True, timeout_s=20)
-    except Exception as e:   # a crash, a wrong shape or a deadlock in the student's step
-        pytest.fail(f"tsp_layer in the engine, p={p}, chunks {chunks}: the run failed: {root_cause(e)}")
-    diff = (got.logits - ref_logits).abs().max().item()
-    assert diff < ATOL, (f"tsp_layer in the engine, p={p}, chunks {chunks}: first-token logits differ from one "
-                         f"process by {diff:.2e} (allowed {ATOL:g})")
+    got, ref_cache = engine_run(step, "4.2", "tsp", p, chunks, seed=seed, spec=spec)
     for layer, ((k, v), (k_ref, v_ref)) in enumerate(zip(got.kv_cache, ref_cache)):
         assert k.shape == k_ref.shape and (k - k_ref).abs().max() < ATOL and (v - v_ref).abs().max() < ATOL, \
             f"tsp_layer, p={p}, chunks {chunks}: layer {layer}'s K/V should cover the whole context {tuple(k_ref.shape)}"
@@ -64,25 +45,22 @@ def run_step(step, p, chunks, pools, seed=0, n_kv_heads=2):
 @pytest.mark.exercise("4.2")
 @pytest.mark.points(1)
 @pytest.mark.timeout(180)
-def test_ex4_2_two_ranks_even_split(ex04, pools, assert_independent):
-    assert_independent(ex04.tsp_layer, ENGINE_STEPS, "4.2")
-    run_step(ex04.tsp_layer, 2, [20, 20], pools)
+def test_ex4_2_two_ranks_even_split(ex04, engine_run):
+    run_tsp(engine_run, ex04.tsp_layer, 2, [20, 20])
 
 
 @pytest.mark.exercise("4.2")
 @pytest.mark.points(1)
 @pytest.mark.timeout(180)
-def test_ex4_2_three_ranks_uneven_chunks(ex04, pools, assert_independent):
-    assert_independent(ex04.tsp_layer, ENGINE_STEPS, "4.2")
-    run_step(ex04.tsp_layer, 3, [17, 2, 12], pools, seed=1)
+def test_ex4_2_three_ranks_uneven_chunks(ex04, engine_run):
+    run_tsp(engine_run, ex04.tsp_layer, 3, [17, 2, 12], seed=1)
 
 
 @pytest.mark.exercise("4.2")
 @pytest.mark.points(2)
 @pytest.mark.timeout(180)
-def test_ex4_2_four_ranks_one_token_chunk_and_multi_query(ex04, pools, assert_independent):
-    assert_independent(ex04.tsp_layer, ENGINE_STEPS, "4.2")
-    run_step(ex04.tsp_layer, 4, [9, 1, 14, 6], pools, seed=2, n_kv_heads=1)
+def test_ex4_2_four_ranks_one_token_chunk_and_multi_query(ex04, engine_run):
+    run_tsp(engine_run, ex04.tsp_layer, 4, [9, 1, 14, 6], seed=2, n_kv_heads=1)
 
 
 # --------------------------------------------------------------------------- 4.3

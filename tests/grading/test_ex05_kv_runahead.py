@@ -8,33 +8,8 @@ import re
 
 import pytest
 
-from toyllm.parallel import ModelSpec, parallel_prefill, single_prefill
+from toyllm.parallel import ModelSpec
 from toyllm.utils import random_prompt
-
-ENGINE_STEPS = {"tsp_layer", "tsp_trimmed_layer", "tsp_zigzag_layer", "kvr_layer", "kvr_layer_blocking",
-                "default_step", "single_prefill", "parallel_prefill"}
-ATOL = 1e-4
-
-
-def root_cause(error: Exception) -> str:
-    """The line a student needs: the last line of the failing rank's traceback (or the error itself)."""
-    text = (getattr(error, "traceback", "") or str(error)).strip()
-    return text.splitlines()[-1] if text else type(error).__name__
-
-
-def run_step(step, name, p, chunks, pools, seed=0, decode=0):
-    ids = random_prompt(sum(chunks), 256, seed)
-    spec = ModelSpec("tiny")
-    ref_logits, _ = single_prefill(spec.build(), ids)
-    try:
-        got = parallel_prefill(spec, ids, "kvr", p, chunks, step=step, pool=pools(p), warmup=0,
-                               decode_tokens=decode, timeout_s=20)
-    except Exception as e:   # a crash, a wrong shape or a deadlock (a send with no receive) in the step
-        pytest.fail(f"{name} in the engine, p={p}, chunks {chunks}: the run failed: {root_cause(e)}")
-    diff = (got.logits - ref_logits).abs().max().item()
-    assert diff < ATOL, (f"{name} in the engine, p={p}, chunks {chunks}: first-token logits differ from one "
-                         f"process by {diff:.2e} (allowed {ATOL:g})")
-    return got
 
 
 # --------------------------------------------------------------------------- 5.1
@@ -42,27 +17,24 @@ def run_step(step, name, p, chunks, pools, seed=0, decode=0):
 @pytest.mark.exercise("5.1")
 @pytest.mark.points(1)
 @pytest.mark.timeout(180)
-def test_ex5_1_two_ranks(ex05, pools, assert_independent):
-    assert_independent(ex05.kvr_layer_blocking, ENGINE_STEPS, "5.1")
-    run_step(ex05.kvr_layer_blocking, "kvr_layer_blocking", 2, [25, 15], pools)
+def test_ex5_1_two_ranks(ex05, engine_run):
+    engine_run(ex05.kvr_layer_blocking, "5.1", "kvr", 2, [25, 15])
 
 
 @pytest.mark.exercise("5.1")
 @pytest.mark.points(1)
 @pytest.mark.timeout(180)
-def test_ex5_1_three_ranks_uneven(ex05, pools, assert_independent):
-    assert_independent(ex05.kvr_layer_blocking, ENGINE_STEPS, "5.1")
-    run_step(ex05.kvr_layer_blocking, "kvr_layer_blocking", 3, [4, 19, 1], pools, seed=3)
+def test_ex5_1_three_ranks_uneven(ex05, engine_run):
+    engine_run(ex05.kvr_layer_blocking, "5.1", "kvr", 3, [4, 19, 1], seed=3)
 
 
 @pytest.mark.exercise("5.1")
 @pytest.mark.points(2)
 @pytest.mark.timeout(180)
-def test_ex5_1_four_ranks_and_the_last_rank_keeps_decoding(ex05, pools, assert_independent):
+def test_ex5_1_four_ranks_and_the_last_rank_keeps_decoding(ex05, engine_run):
     from toyllm import generate
 
-    assert_independent(ex05.kvr_layer_blocking, ENGINE_STEPS, "5.1")
-    got = run_step(ex05.kvr_layer_blocking, "kvr_layer_blocking", 4, [13, 1, 9, 8], pools, seed=4, decode=5)
+    got, _ = engine_run(ex05.kvr_layer_blocking, "5.1", "kvr", 4, [13, 1, 9, 8], seed=4, decode=5)
     expected = generate(ModelSpec("tiny").build(), random_prompt(31, 256, 4), 5).output_ids
     assert got.decoded == expected, (f"kvr_layer_blocking, p=4: decoding from the last rank's cache gave "
                                      f"{got.decoded}, one process gives {expected}")
@@ -87,17 +59,15 @@ def _order(result, p):
 @pytest.mark.exercise("5.2")
 @pytest.mark.points(1)
 @pytest.mark.timeout(180)
-def test_ex5_2_equal_logits(ex05, pools, assert_independent):
-    assert_independent(ex05.kvr_layer, ENGINE_STEPS, "5.2")
-    run_step(ex05.kvr_layer, "kvr_layer", 3, [20, 6, 11], pools, seed=5)
+def test_ex5_2_equal_logits(ex05, engine_run):
+    engine_run(ex05.kvr_layer, "5.2", "kvr", 3, [20, 6, 11], seed=5)
 
 
 @pytest.mark.exercise("5.2")
 @pytest.mark.points(2)
 @pytest.mark.timeout(180)
-def test_ex5_2_posts_the_receive_before_the_projection(ex05, pools, assert_independent):
-    assert_independent(ex05.kvr_layer, ENGINE_STEPS, "5.2")
-    got = run_step(ex05.kvr_layer, "kvr_layer", 2, [30, 10], pools, seed=6)
+def test_ex5_2_posts_the_receive_before_the_projection(ex05, engine_run):
+    got, _ = engine_run(ex05.kvr_layer, "5.2", "kvr", 2, [30, 10], seed=6)
     wrong = [(rank, layer) for rank, layer, posted_first, waited_after in _order(got, 2)
              if not (posted_first and waited_after)]
     assert not wrong, (f"kvr_layer, p=2: in layers {[l for _, l in wrong]} of rank 1 the receive was not posted "
