@@ -106,3 +106,8 @@ def test_kernels_that_skip_masked_work_say_so():
 def test_an_unknown_kernel_lists_the_choices():
     with pytest.raises(ValueError, match=r"unknown attention kernel 'flash9'; choose one of \['blockwise', 'causal'"):
         get_attention("flash9")
+
+
+def test_positions_with_a_repeat_are_not_taken_for_a_contiguous_run():
+    assert A._contiguous(torch.arange(3, 9)) and A._contiguous(torch.tensor([7]))
+    assert not A._contiguous(torch.tensor([0, 2, 2])) and not A._contiguous(torch.tensor([], dtype=torch.long))

@@ -49,7 +49,7 @@ def group_queries(q: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
     """View q (B, H, T, D) as (B, Hkv, G*T, D): the G query heads sharing a K/V head become extra rows.
 
     A view, not a copy (q is contiguous in heads). Row g*T + t is query head
-    kv*G + g at token t, so its position is q_pos[t]: masks repeat G times.
+    kv*G + g at token t, so its position is q_pos[t]: the same mask serves every g.
     """
     B, H, T, D = q.shape
     return q.reshape(B, n_kv_heads, (H // n_kv_heads) * T, D)
@@ -68,10 +68,10 @@ def dense_attention(q, k, v, q_pos, k_pos):
     products per rank), so every method in a comparison uses it by default.
     """
     B, H, T, D = q.shape
-    G = H // k.shape[1]                                                  # query heads per K/V head
-    qg = group_queries(q, k.shape[1])                                    # (B, Hkv, G*T, D)
-    scores = qg @ k.transpose(-2, -1) / math.sqrt(D)                     # (B, Hkv, G*T, S)
-    scores.masked_fill_(~causal_mask(q_pos, k_pos).repeat(G, 1), float("-inf"))   # in place: scores can be GBs
+    Hkv, S = k.shape[1], k.shape[-2]
+    scores = group_queries(q, Hkv) @ k.transpose(-2, -1) / math.sqrt(D)  # (B, Hkv, G*T, S)
+    # In place on a (B, Hkv, G, T, S) view, so one (T, S) mask serves every group: scores can be GBs.
+    scores.view(B, Hkv, H // Hkv, T, S).masked_fill_(~causal_mask(q_pos, k_pos), float("-inf"))
     return (torch.softmax(scores, dim=-1) @ v).view(B, H, T, D)          # (B, H, T, D)
 
 
@@ -189,7 +189,8 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
 
 
 def _contiguous(pos: torch.Tensor) -> bool:
-    return len(pos) > 0 and int(pos[-1]) - int(pos[0]) == len(pos) - 1
+    """Positions p, p+1, ..., p+n-1 (every step exactly one)."""
+    return len(pos) > 0 and bool((pos.diff() == 1).all())
 
 
 @skips_masked

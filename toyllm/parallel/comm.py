@@ -21,6 +21,7 @@ machine (one clock) only.
 """
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ class LinkModel:
     seed: int = 0
 
     def __post_init__(self):
-        if not self.bandwidth_gbps > 0 or self.bandwidth_gbps != self.bandwidth_gbps or self.bandwidth_gbps == float("inf"):
+        if not (math.isfinite(self.bandwidth_gbps) and self.bandwidth_gbps > 0):
             raise ValueError(f"bandwidth must be a finite number > 0 GB/s, got {self.bandwidth_gbps}")
         if not (self.latency_s >= 0 and self.noise >= 0):
             raise ValueError(f"latency_s and noise must be >= 0, got {self.latency_s} and {self.noise}")
