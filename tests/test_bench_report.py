@@ -37,3 +37,11 @@ def test_every_section_has_a_template():
 def test_missing_numbers_are_an_error_not_a_blank():
     with pytest.raises(Exception, match="no attribute .repeats."):
         render_section("first_token", {"threads": 2})
+
+
+def test_a_difference_within_one_percent_is_called_a_tie():
+    from toyllm.bench import _than
+
+    assert _than(1.427 / 1.420) == "as fast (1.005x) as"
+    assert _than(0.995) == "as fast (0.995x) as"
+    assert _than(1.2) == "1.20x faster than" and _than(0.8) == "1.25x slower than"

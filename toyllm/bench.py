@@ -309,7 +309,10 @@ def _progress(row: dict) -> None:
 
 
 def _than(ratio: float) -> str:
-    """1.32 -> "1.32x faster than", 0.8 -> "1.25x slower than" (a ratio of baseline time to our time)."""
+    """1.32 -> "1.32x faster than", 0.8 -> "1.25x slower than", 1.005 -> "as fast as (1.005x)"
+    (a ratio of baseline time to our time; within 1 percent is a tie, not a win)."""
+    if abs(ratio - 1) < 0.01:
+        return f"as fast ({ratio:.3f}x) as"
     return f"{ratio:.2f}x faster than" if ratio >= 1 else f"{1 / ratio:.2f}x slower than"
 
 
