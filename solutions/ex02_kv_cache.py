@@ -32,7 +32,9 @@ def attention_with_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     q: (B, H, T, D) queries of the T tokens of this call.
     k, v: (B, H, S, D) keys and values of every token the cache holds, this
-        call's included (S >= T; GQA heads are already shared out).
+        call's included (S >= T). With grouped-query attention the model
+        copies each K/V head out to its H/Hkv query heads before calling a
+        kernel like this one (toyllm's own kernels share them without copies).
     q_pos: (T,) absolute positions of the queries; k_pos: (S,) of the keys.
         A decode step has T = 1 and q_pos = [S - 1]; a chunked prefill has
         q_pos starting at an offset (the tokens already cached).
@@ -60,8 +62,9 @@ def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, tokens: int,
     multi-query attention (one KV head) shrink the cache in proportion.
     Example: LLaMA-2-13B (40 layers, 40 KV heads, head_dim 128) holding
     8192 tokens in bf16 needs 6,710,886,400 bytes (6.7 GB).
-    Returns bytes as an int. Raises ValueError for negative counts or a
-    bytes_per_value that is not positive.
+    Returns bytes as a Python int (rounded to the nearest whole byte when
+    bytes_per_value is fractional, e.g. 0.5 for int4). Raises ValueError for
+    negative counts or a bytes_per_value that is not positive.
     """
     # BEGIN SOLUTION 2.2 hint: 2 (K and V) x layers x kv_heads x head_dim x tokens x bytes_per_value x batch
     for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
@@ -89,8 +92,9 @@ def static_buffer_bytes(n_blocks: int, n_kv_heads: int, head_dim: int, max_seq_l
     Example: Llama-7B (multi-head: 32 blocks, 32 KV heads, head_dim 128, S = 2048, 16 bits)
     needs 2,146,435,072 bytes; with reserve = 1.5, 1,609,826,304 bytes
     (reserve x (S - 1) may be a half row; the byte total is still whole).
-    Returns bytes as an int. Raises ValueError if max_seq_len < 2, reserve
-    is outside [1, 2] or bits is not a positive integer.
+    Returns bytes as a Python int, rounded up to a whole byte. Raises
+    ValueError if max_seq_len < 2, reserve is outside [1, 2] or bits is not
+    a positive integer.
     """
     # BEGIN SOLUTION 2.3 hint: 2 x n_blocks x n_kv_heads x reserve x (max_seq_len - 1) x head_dim x bits / 8
     if max_seq_len < 2:

@@ -35,8 +35,9 @@ def matmul_intensity(B: int, D: int, F: int, bytes_per_value: float = 2) -> floa
     Bytes: read both inputs and write the [B, F] output, bytes_per_value
     each: bytes_per_value * (B*D + D*F + B*F).
     When B is much smaller than D and F the weight matrix dominates the
-    traffic and the intensity is about B (in bf16): a batch of one token
-    does about one FLOP per byte.
+    traffic and the intensity is about 2B / bytes_per_value: about B in
+    bf16 (a batch of one token does about one FLOP per byte), B/2 in float32.
+    Returns a float (no rounding), e.g. matmul_intensity(2, 3, 4) = 48/52.
     Raises ValueError if a dimension is < 1 or bytes_per_value <= 0.
     """
     # BEGIN SOLUTION 3.1 hint: (2 * B * D * F) / (bytes_per_value * (B*D + D*F + B*F))
@@ -52,11 +53,14 @@ def attention_intensity(S: int, T: int) -> float:
     """Exercise 3.2 (2 points): FLOPs per byte of one head's fused attention, T queries over S keys (16-bit).
 
     FLOPs: 2*S*T*D for q k^T plus 2*S*T*D for the weights times v.
-    Bytes (flash-style, the S x T scores never touch memory): read q (T x D),
-    k and v (S x D each), write the output (T x D), 2 bytes per value:
+    Bytes of a fused (flash-style) kernel, whose S x T scores stay in fast
+    on-chip memory and are never written out: read q (T x D), k and v
+    (S x D each), write the output (T x D), 2 bytes per value:
     4*S*D + 4*T*D. The head_dim D (and the batch) cancel: S*T / (S + T).
-    Prefill (S = T): T/2, so long prompts are compute-bound. Decode
-    (T = 1, S large): about 1, memory-bound however long the context.
+    Prefill (S = T): T/2, so long prompts are compute-bound with such a
+    kernel (a dense kernel that writes the scores stays near D instead).
+    Decode (T = 1, S large): about 1, memory-bound however long the context.
+    Returns a float (no rounding): attention_intensity(10, 10) = 5.0.
     Raises ValueError if S or T is < 1.
     """
     # BEGIN SOLUTION 3.2 hint: 4*S*T*D FLOPs over 4*(S+T)*D bytes; D cancels
@@ -75,7 +79,8 @@ def min_step_time_s(param_bytes: float, kv_bytes_per_seq: float, batch: int,
     (batch * kv_bytes_per_seq + param_bytes) / bandwidth.
     Example (the pop quiz): 30e9 bytes of int8 weights, 819.2e6 bytes of KV
     per sequence (100 kB/token x 8192 tokens), batch 4, 16 chips x 8.1e11 B/s:
-    about 2.5 ms.
+    0.002567... s, 2.57 ms (the source rounds it to 2.5 ms).
+    Returns seconds as a float (no rounding).
     Raises ValueError for a negative batch or a bandwidth that is not positive.
     """
     # BEGIN SOLUTION 3.3 hint: (batch * kv_bytes_per_seq + param_bytes) / hbm_bandwidth_bytes_per_s
@@ -95,8 +100,9 @@ def step_time_s(param_bytes: float, kv_bytes_per_seq: float, batch: int, hbm_ban
     batch * kv_bytes_per_seq / bandwidth. The matmuls take the longer of
     loading the weights (param_bytes / bandwidth) and doing the arithmetic
     (2 * batch * param_count FLOPs at peak_flops FLOP/s).
-    Example (the pop quiz, 1.97e14 bf16 FLOP/s per chip): batch 4 about
-    2.5 ms (memory-bound, as before), batch 256 about 21 ms.
+    Example (the pop quiz, 1.97e14 bf16 FLOP/s per chip): batch 4 2.57 ms
+    (memory-bound, as before), batch 256 about 21 ms (21.05).
+    Returns seconds as a float (no rounding).
     Raises ValueError for a negative batch or a non-positive bandwidth or peak_flops.
     """
     # BEGIN SOLUTION 3.4 hint: batch * kv / bandwidth + max(2 * batch * param_count / peak_flops, param_bytes / bandwidth)
@@ -121,7 +127,9 @@ def max_throughput_tokens_per_s(param_bytes: float, kv_bytes_per_seq: float, bat
     with diminishing returns once the KV caches dominate the bytes.
     Example (LLaMA-2-13B on 8 TPU v5e, 26 GB of bf16 weights, 6.7 GB of KV
     per sequence, 8 x 8.2e11 B/s): batch 1 about 200.6 tokens/s, batch 240
-    about 963.5.
+    about 963.5. This bound ignores the arithmetic: once the matmuls turn
+    compute-bound, batch / ``step_time_s`` is the tighter one.
+    Returns tokens per second as a float (no rounding).
     Raises ValueError for a batch < 1 or a bandwidth that is not positive.
     """
     # BEGIN SOLUTION 3.5 hint: batch / min_step_time_s(...)
@@ -140,6 +148,7 @@ def max_batch_size(param_bytes: float, kv_bytes_per_seq: float, hbm_bytes: float
     Example: LLaMA-2-13B on 8 x 16 GiB of HBM with 26 GB of weights and
     6.7 GB of KV per sequence fits 16 sequences; with a KV cache five
     times smaller (8 KV heads instead of 40), 83.
+    Returns a Python int >= 0 (rounded down: a partial sequence does not fit).
     Raises ValueError if kv_bytes_per_seq is not positive.
     """
     # BEGIN SOLUTION 3.6 hint: floor((hbm_bytes - param_bytes) / kv_bytes_per_seq), never below 0

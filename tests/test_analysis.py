@@ -4,7 +4,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from toyllm.analysis import (GB, LLAMA2_13B, LLAMA_7B, POP_QUIZ, TPU_V5E_X8, attention_bytes, attention_flops,
-                             attention_intensity, critical_intensity, kv_bytes_per_token, kv_cache_bytes,
+                             attention_intensity, critical_intensity, crossing_batch, kv_bytes_per_token, kv_cache_bytes,
                              llama2_13b_table, matmul_bytes, matmul_flops, matmul_intensity, max_batch_size,
                              max_throughput_tokens_per_s, min_step_time_s, model_flops_per_token,
                              param_bytes, pop_quiz_step_times_s, prefill_flops, roofline_time_s,
@@ -69,6 +69,38 @@ def test_attention_intensity_prefill_and_decode():
         assert attention_flops(S, T, 128) / attention_bytes(S, T, 128) == pytest.approx(attention_intensity(S, T))
     with pytest.raises(ValueError, match="at least 1"):
         attention_intensity(0, 5)
+
+
+def test_gqa_raises_decode_attention_intensity_by_the_group_size():
+    # 5 query heads per K/V head read each K/V byte for 5 queries: about 5 FLOPs per byte in decode.
+    assert attention_intensity(8192, 1, group=5) == pytest.approx(5, rel=1e-3)
+    assert attention_intensity(8192, 1, group=5) / attention_intensity(8192, 1) == pytest.approx(5, rel=1e-3)
+    # float32 halves it; the exact formula 2GST / (bytes (S + GT)).
+    assert attention_intensity(100, 3, group=3, bytes_per_value=4) == pytest.approx(2 * 3 * 100 * 3 / (4 * 109))
+    assert attention_flops(64, 4, 32, group=3) / attention_bytes(64, 4, 32, group=3) == pytest.approx(
+        attention_intensity(64, 4, group=3))
+
+
+def test_dense_kernel_intensity_is_about_the_head_size():
+    # Writing and reading the T x S scores caps prefill intensity near head_dim, however long the prompt.
+    assert attention_intensity(4096, 4096, 128, kernel="dense") == pytest.approx(2 * 128 * 4096 / (4 * 128 + 2 * 4096))
+    assert attention_intensity(2 ** 20, 2 ** 20, 128, kernel="dense") == pytest.approx(128, rel=1e-3)
+    assert attention_intensity(4096, 4096, 128, kernel="dense") < attention_intensity(4096, 4096) / 10
+    assert attention_bytes(10, 10, 8, kernel="dense") - attention_bytes(10, 10, 8) == 2 * 2 * 10 * 10
+    with pytest.raises(ValueError, match="head_dim"):
+        attention_intensity(16, 16, kernel="dense")
+    with pytest.raises(ValueError, match="kernel"):
+        attention_bytes(16, 16, 8, kernel="flash")
+
+
+def test_crossing_batch_exact_and_by_precision():
+    # LLaMA-2-13B's MLP matmul on a TPU v5e: the ridge is 240, the exact crossing 257.
+    assert crossing_batch(5120, 13824, 1.97e14, 8.2e11) == 257
+    assert matmul_intensity(256, 5120, 13824) < critical_intensity(1.97e14, 8.2e11) <= matmul_intensity(257, 5120, 13824)
+    # int8 weights with bf16 compute (one byte per weight, same FLOP/s): about half, 124 for the quiz's matmul.
+    assert crossing_batch(8192, 32768, 16 * 1.97e14, 16 * 8.1e11, bytes_per_value=1) == 124
+    # A matmul too narrow to ever reach the ridge.
+    assert crossing_batch(64, 64, 1.97e14, 8.2e11) is None
 
 
 def test_critical_intensity_and_roofline():

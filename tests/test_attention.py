@@ -72,6 +72,15 @@ def test_lse_route_and_its_fallback_agree(monkeypatch):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
 
 
+def test_lse_route_without_the_private_op(monkeypatch):
+    """A torch without the private op takes the plain route, and the causal kernel still matches."""
+    q, k, v, q_pos, k_pos = case(*CASES["rectangle"])
+    monkeypatch.setattr(A, "_FLASH_CPU_OP", None)
+    monkeypatch.setattr(A, "_flash_cpu", lambda *a: pytest.fail("the private op was called"))
+    torch.testing.assert_close(A.causal_attention(q, k, v, q_pos, k_pos), reference(q, k, v, q_pos, k_pos),
+                               atol=ATOL, rtol=0)
+
+
 def test_merging_two_key_sets_equals_attention_over_both():
     q, k, v, *_ = case(1, 2, 2, range(0, 5), range(0, 30))
     first, second = attention_with_lse(q, k[..., :12, :], v[..., :12, :]), attention_with_lse(q, k[..., 12:, :], v[..., 12:, :])
@@ -106,6 +115,19 @@ def test_kernels_that_skip_masked_work_say_so():
 def test_an_unknown_kernel_lists_the_choices():
     with pytest.raises(ValueError, match=r"unknown attention kernel 'flash9'; choose one of \['blockwise', 'causal'"):
         get_attention("flash9")
+
+
+def test_the_kernel_benchmark_table_has_a_row_per_shape_and_names_its_command():
+    from toyllm.bench_kernels import KERNELS, SPLITS, attention_kernels_markdown, measure_attention_kernels
+
+    data = measure_attention_kernels(contexts=(64, 96), repeats=1)
+    text = attention_kernels_markdown(data, "python -m toyllm.bench_kernels --quick")
+    rows = [line for line in text.splitlines() if line.startswith("| 64 |") or line.startswith("| 96 |")]
+    assert len(rows) == 2 * (1 + 2 * len(SPLITS))               # the square, then rank 0 and rank 1 per split
+    assert "| 96 | split 68: rank 1, rectangle |" in text     # round(0.707 * 96) = 68
+    assert all(t > 0 for c in data["contexts"] for sp in c["splits"] for t in sp["rank1"].values())
+    assert set(data["contexts"][0]["square"]) == {*KERNELS, "sdpa_2_threads"}
+    assert "Produced by `python -m toyllm.bench_kernels --quick`" in text
 
 
 def test_positions_with_a_repeat_are_not_taken_for_a_contiguous_run():

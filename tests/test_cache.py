@@ -63,3 +63,16 @@ def test_static_buffer_bytes_match_the_formula():
 def test_make_cache_rejects_unknown_kind():
     with pytest.raises(ValueError, match="unknown cache 'paged'"):
         make_cache("paged", build_model("tiny").config, 10)
+
+
+def test_static_equals_dynamic_for_a_batch():
+    g = torch.Generator().manual_seed(1)
+    dyn, sta = DynamicKVCache(2), StaticKVCache(2, 2, 8, window=12, batch=3)
+    for t in [4, 1, 1, 1]:
+        for layer in range(2):
+            k, v = torch.randn(3, 2, t, 8, generator=g), torch.randn(3, 2, t, 8, generator=g)
+            kd, vd = dyn.update(layer, k, v)
+            ks, vs = sta.update(layer, k, v)
+            assert ks.shape == (3, 2, dyn.length if layer == 1 else kd.shape[-2], 8)
+            assert torch.equal(kd, ks) and torch.equal(vd, vs)
+    assert sta.length == dyn.length == 7 and sta.copies == 0

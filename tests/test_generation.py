@@ -160,3 +160,15 @@ def test_prefill_and_naive_steps_project_only_the_last_position(monkeypatch):
     prefill(model, torch.tensor([random_prompt(30, 256)]), DynamicKVCache(model.config.n_layers))
     generate(model, random_prompt(30, 256), 3, method="naive")
     assert shapes and all(s[1] == 1 for s in shapes), shapes
+
+
+def test_cached_steps_feed_one_token_from_one_preallocated_buffer(monkeypatch):
+    model = build_model("tiny")
+    seen = []
+    real_embed = model.embed
+    monkeypatch.setattr(model, "embed", lambda ids: seen.append((tuple(ids.shape), ids.untyped_storage().data_ptr()))
+                        or real_embed(ids))
+    out = generate(model, random_prompt(10, 256), 6)
+    assert seen[0][0] == (1, 10) and all(shape == (1, 1) for shape, _ in seen[1:])
+    assert len(seen) == 6 and len({ptr for _, ptr in seen}) == 1     # every step reads the same buffer
+    assert out.output_ids == generate(model, random_prompt(10, 256), 6, cache="dynamic").output_ids

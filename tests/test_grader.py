@@ -9,14 +9,19 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 from toyllm.grading import GradeReport, grade, load_exercise, make_stub, resolve_impl, sync
+from toyllm.grading.sandbox import _sandbox_user
 
 ROOT = Path(__file__).resolve().parent.parent
 SUBMISSIONS = ROOT / "tests" / "fixtures" / "submissions"
@@ -161,32 +166,50 @@ def test_results_json_follows_the_gradescope_schema(solutions_graded):
 
 # --------------------------------------------------------------------------- fake submissions
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_a_hanging_function_loses_only_its_test(tmp_path):
-    report = grade(SUBMISSIONS / "hanging", only="ex03", per_test_timeout_s=8, results_path=tmp_path / "r.json")
-    lost = {t.name: t for t in report.tests if t.status != "passed"}
-    assert list(lost) == ["Exercise 3.2: test_ex3_2_prefill_is_half_the_prompt"]
-    hung = lost["Exercise 3.2: test_ex3_2_prefill_is_half_the_prompt"]
-    assert hung.status == "timeout" and hung.score == 0 and "Timeout" in hung.output
-    assert report.score == report.max_score - hung.max_score
+def make_submission(folder: Path, *names: str, **fill: str) -> Path:
+    """A submission folder built from the fixtures ``names`` (see tests/fixtures/submissions/README.md)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        for fixture in sorted((SUBMISSIONS / name).glob("ex*.py")):
+            text = fixture.read_text()
+            for key, value in fill.items():
+                text = text.replace(f"@{key.upper()}@", value)
+            if text.startswith("# on top of the model answer"):
+                text = (ROOT / "solutions" / fixture.name).read_text() + "\n\n" + text
+            (folder / fixture.name).write_text(text)
+    return folder
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_a_crashing_function_loses_only_the_rest_of_its_lesson(tmp_path):
+@pytest.mark.timeout(200)
+def test_a_crash_or_a_hang_costs_only_the_test_that_met_it(tmp_path):
+    submission = make_submission(tmp_path / "sub", "crashing", "hanging")
     results = tmp_path / "results.json"
-    report = grade(SUBMISSIONS / "crashing", only=["ex02", "ex03"], results_path=results)
-    by_lesson = report.by_lesson()
-    assert by_lesson[3] == (12, 12)                     # the other lesson keeps everything
-    ex02 = [t for t in report.tests if t.lesson == 2]
-    statuses = {ex: {t.status for t in ex02 if t.exercise == ex} for ex in ("2.1", "2.2", "2.3", "2.4")}
-    assert statuses == {"2.1": {"passed"}, "2.2": {"crashed"}, "2.3": {"crashed"}, "2.4": {"crashed"}}
-    assert by_lesson[2] == (6, 17)                      # 2.1 finished before the crash and keeps its points
-    first_crash = next(t for t in ex02 if t.status == "crashed")
-    assert "exited (code 3)" in first_crash.output
-    written = json.loads(results.read_text())
-    assert written["score"] == report.score == 18
+    report = grade(submission, only=["ex02", "ex03"], per_test_timeout_s=8, results_path=results)
+    lost = {t.name: t for t in report.tests if t.status != "passed"}
+    assert set(lost) == {"Exercise 3.2: test_ex3_2_prefill_is_half_the_prompt",
+                         "Exercise 2.2: test_ex2_2_llama2_13b_and_gqa", "Exercise 2.2: test_ex2_2_other_precisions_and_shapes",
+                         "Exercise 2.2: test_ex2_2_matches_the_real_cache"}, list(lost)
+    hung = lost["Exercise 3.2: test_ex3_2_prefill_is_half_the_prompt"]
+    assert hung.status == "timeout" and hung.output.startswith("timed out: attention_intensity(4096, 4096) did not "
+                                                               "return within"), hung.output
+    crashed = [t for t in lost.values() if t.exercise == "2.2"]
+    assert all(t.status == "crashed" and "exit code 3" in t.output and "kv_cache_bytes(" in t.output
+               for t in crashed), [t.output for t in crashed]
+    assert report.by_exercise()["2.3"] == (4, 4) and report.by_exercise()["2.4"] == (4, 4)   # after the crash
+    assert json.loads(results.read_text())["score"] == report.score == report.max_score - 3 - 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_submission_that_hangs_at_import_costs_one_timeout(tmp_path):
+    submission = make_submission(tmp_path / "sub", "import_hang")
+    report = grade(submission, only="ex03", per_test_timeout_s=5)
+    assert report.score == 0 and len(report.tests) == 12
+    first, *rest = report.tests
+    assert first.status == "timeout" and "importing your ex03 file did not return within" in first.output, first.output
+    assert all("importing your ex03 file" in t.output for t in rest)
+    assert report.execution_time_s < 5 * 2 + 30, "each test waited for the import again"
 
 
 @pytest.mark.slow
@@ -194,9 +217,11 @@ def test_a_crashing_function_loses_only_the_rest_of_its_lesson(tmp_path):
 def test_a_partial_submission_gets_partial_credit():
     report = grade(SUBMISSIONS / "partial", only="ex01,ex03")
     assert {t.name for t in report.tests if t.status != "passed" and t.lesson == 1} == {
-        "Exercise 1.2: test_ex1_2_never_samples_outside_the_top_p_set",    # top_p is ignored
-        "Exercise 1.2: test_ex1_2_rejects_bad_arguments"}                   # ... and not checked
-    assert report.by_lesson() == {1: (13, 15), 3: (0, 12)}
+        "Exercise 1.2: test_ex1_2_top_p_keeps_the_nucleus_of_shuffled_logits",    # top_p is ignored
+        "Exercise 1.2: test_ex1_2_top_p_boundary_and_edge_values",
+        "Exercise 1.2: test_ex1_2_top_k_then_top_p",
+        "Exercise 1.2: test_ex1_2_rejects_bad_arguments"}                         # ... and not checked
+    assert report.by_lesson() == {1: (11, 15), 3: (0, 12)}
     missing = [t for t in report.tests if t.lesson == 3]
     assert all(t.status == "error" and "no file for exercise module 'ex03'" in t.output for t in missing)
 
@@ -206,7 +231,7 @@ def test_a_partial_submission_gets_partial_credit():
 def test_a_single_exercise_can_be_graded_on_its_own():
     report = grade(SUBMISSIONS / "partial", only="1.2")
     assert {t.exercise for t in report.tests} == {"1.2"}
-    assert report.by_exercise()["1.2"] == (6, 8)        # 7 tests; the two top-p ones fail
+    assert report.by_exercise()["1.2"] == (4, 8)        # 8 tests; the four on top_p fail
     mixed = grade(SUBMISSIONS / "partial", only=["1.1", "ex01"])   # a whole lesson wins over one of its exercises
     assert {t.exercise for t in mixed.tests} == {"1.1", "1.2", "1.3"}
     with pytest.raises(ValueError, match="exercises like '1.2'"):
@@ -250,8 +275,8 @@ def test_load_exercise_from_a_folder_without_touching_sys_path(tmp_path):
 def test_bad_implementations_and_names_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="'exercises', 'solutions' or the path"):
         resolve_impl(tmp_path / "nowhere")
-    with pytest.raises(ValueError, match="no file for exercise module 'ex07'"):
-        load_exercise("ex07", impl="solutions")
+    with pytest.raises(ValueError, match="no file for exercise module 'ex42'"):
+        load_exercise("ex42", impl="solutions")
     with pytest.raises(ValueError, match="must look like 'ex01'"):
         load_exercise("../ex01", impl="solutions")
     with pytest.raises(ValueError, match="no graded tests for lesson"):
@@ -432,3 +457,389 @@ def test_a_deadlocking_step_loses_its_points_and_leaves_no_process(tmp_path):
     assert all("kvr_layer_blocking in the engine" in t.output and "the run failed" in t.output
                for t in report.tests), [t.output[:200] for t in report.tests]
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+# --------------------------------------------------------------------------- independence and tampering
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_calling_toyllms_own_answer_scores_zero_for_that_exercise_and_says_why(tmp_path):
+    submission = make_submission(tmp_path / "sub", "cheating")
+    report = grade(submission, only=["ex02", "ex03"])
+    scores = report.by_exercise()
+    for ex in ("2.1", "2.4", "3.2", "3.6"):
+        assert scores[ex][0] == 0, (ex, [t.output for t in report.tests if t.exercise == ex])
+        for t in (t for t in report.tests if t.exercise == ex):
+            assert t.output.startswith(f"Exercise {ex} must be your own code, but it called toyllm."), t.output
+    assert all(scores[ex][0] == scores[ex][1] for ex in ("2.2", "2.3", "3.1", "3.3", "3.4", "3.5"))
+    assert "toyllm.attention.dense_attention" in next(t.output for t in report.tests if t.exercise == "2.1")
+    assert not list(submission.rglob("__pycache__")), "the grader wrote bytecode beside the submission"
+
+
+def _course_copy(folder: Path) -> Path:
+    """A checkout of the course as an instructor has it: world-readable, owned by the grader's user."""
+    for part in ("exercises", "solutions", "tests/grading"):
+        shutil.copytree(ROOT / part, folder / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copyfile(ROOT / "tests" / "conftest.py", folder / "tests" / "conftest.py")
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    for parent in folder.parents:          # let other users reach it, as a checkout under /home or /srv is
+        if parent == Path(tempfile.gettempdir()) or parent == parent.parent:
+            break
+        parent.chmod(parent.stat().st_mode | 0o005)
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(_sandbox_user() is None, reason="the grader isolates files from the submission only when it "
+                                                    "runs as root and can switch to an unprivileged user")
+def test_a_submission_cannot_forge_its_score_tamper_with_tests_or_read_them(tmp_path, monkeypatch):
+    import psutil
+
+    course = _course_copy(Path(tempfile.mkdtemp(prefix="course-")))
+    try:
+        hidden = course / "hidden"
+        hidden.mkdir(mode=0o755)
+        (hidden / "test_ex03_secret.py").write_text(textwrap.dedent('''
+            import pytest
+            from toyllm.grading import load_exercise
+
+            # SECRET-HIDDEN-TEST-MARKER
+            @pytest.mark.exercise("3.3")
+            @pytest.mark.points(1)
+            def test_hidden_min_step_time():
+                assert load_exercise("ex03").min_step_time_s(1e9, 1e8, 2, 1e12) == pytest.approx(1.2e-3)
+            '''))
+        (hidden / "test_ex03_secret.py").chmod(0o644)
+        results = tmp_path / "results.json"
+        submission = make_submission(tmp_path / "sub", "tampering", course=str(course), results=str(results))
+        before = {p: p.read_bytes() for p in (course / "tests").rglob("*.py")}
+        monkeypatch.setenv("TOYLLM_COURSE_DIR", str(course))
+        report = grade(submission, only="ex03", extra_tests=hidden, results_path=results)
+        outputs = "\n".join(t.output for t in report.tests)
+        assert report.by_exercise()["3.1"] == (0, 2), outputs       # no forged record, hook or patched log counts
+        assert report.score == report.max_score - 2 and report.max_score == 13
+        assert "SECRET-HIDDEN-TEST-MARKER" not in outputs and "def test_" not in outputs, outputs
+        assert {p: p.read_bytes() for p in (course / "tests").rglob("*.py")} == before
+        written = results.read_bytes()
+        time.sleep(6)                                                # the detached rewriter would strike at 4 s
+        assert results.read_bytes() == written and json.loads(written)["score"] == report.score
+        assert not [p for p in psutil.process_iter(["cmdline"]) if "toyllm-tamper-marker" in (p.info["cmdline"] or [])]
+    finally:
+        shutil.rmtree(course)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sigterm_to_the_grader_ends_every_process_it_started(tmp_path):
+    import psutil
+
+    submission = make_submission(tmp_path / "sub", "hanging")
+    proc = subprocess.Popen([sys.executable, "-m", "toyllm", "grade", "--impl", str(submission), "--only", "3.2",
+                             "--timeout", "60"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        started = []
+        while time.monotonic() < deadline:          # wait until the sandbox runs the hanging call
+            started = psutil.Process(proc.pid).children(recursive=True)
+            if any("_serve" in " ".join(p.cmdline()) for p in started if p.is_running()):
+                break
+            time.sleep(0.5)
+        time.sleep(2)
+        started = psutil.Process(proc.pid).children(recursive=True)
+        assert len(started) >= 2, "expected the pytest process and the sandbox"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        gone, alive = psutil.wait_procs(started, timeout=10)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        proc.kill()
+
+
+# --------------------------------------------------------------------------- the graded tests against wrong and right answers
+#
+# Each wrong answer is the model answer with one plausible mistake (a text replacement, or a function
+# appended in its place); it must lose points on its exercise. Each right answer is a different correct
+# way to write the exercise; it must keep all of them. They run in this process, under the same rules
+# as in the grader (LocalModule), so the whole table takes seconds.
+
+WRONG = [  # (exercise, what the mistake is, old text, new text); new text None: append old as a new function
+    ("1.1", "returns a tensor", "    return int(torch.argmax(logits))\n    # END SOLUTION\n\n\ndef sample_next_token",
+     "    return torch.argmax(logits)\n    # END SOLUTION\n\n\ndef sample_next_token"),
+    ("1.1", "no input check", "    if logits.dim() != 1 or logits.numel() == 0:\n        raise ValueError(f\"logits must",
+     "    if False:\n        raise ValueError(f\"logits must"),
+    ("1.2", "top-p on sorted probabilities not mapped back",
+     "drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(0, order, mass_before >= top_p)",
+     "drop = mass_before >= top_p"),
+    ("1.2", "strict top-p boundary", "mass_before >= top_p)", "mass_before > top_p)"),
+    ("1.2", "top-p counts the token itself", "mass_before >= top_p)", "probs.cumsum(-1) > top_p)"),
+    ("1.2", "top_p = 1.0 rejected", "    check_sampling(temperature, top_k, top_p)\n",
+     "    check_sampling(temperature, top_k, top_p)\n    if top_p is not None and top_p >= 1.0:\n"
+     "        raise ValueError('top_p must be below 1')\n"),
+    ("1.2", "no input check", "    check_sampling(temperature, top_k, top_p)\n", ""),
+    ("1.2", "generator not used", "torch.multinomial(probs, 1, generator=generator)", "torch.multinomial(probs, 1)"),
+    ("1.2", "temperature ignored", "scaled = logits.float() / temperature", "scaled = logits.float()"),
+    ("1.2", "top-p before top-k", '''
+def sample_next_token(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    scaled = logits.float() / temperature
+    if top_p is not None and top_p < 1.0:
+        probs, order = torch.sort(torch.softmax(scaled, dim=-1), descending=True)
+        drop = torch.zeros_like(probs, dtype=torch.bool).scatter(0, order, probs.cumsum(-1) - probs >= top_p)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    if top_k is not None and top_k < scaled.numel():
+        scaled = scaled.masked_fill(scaled < torch.topk(scaled, top_k).values[-1], float("-inf"))
+    return int(torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator))
+''', None),
+    ("1.3", "feeds only the last token", "logits = model(torch.tensor([ids]))[0, -1]",
+     "logits = model(torch.tensor([ids[-1:]]))[0, -1]"),
+    ("1.3", "returns the prompt too", "        new_ids.append(token)\n    return new_ids", "        new_ids.append(token)\n    return ids"),
+    ("1.3", "calls toyllm's generate", '''
+def naive_generate(model, prompt_ids, max_new_tokens):
+    from toyllm.generation import generate
+    return generate(model, prompt_ids, max_new_tokens, method="naive").output_ids
+''', None),
+    ("2.1", "keys assumed to start at 0", "visible = k_pos[None, :] <= q_pos[:, None]",
+     "visible = torch.arange(k.shape[-2])[None, :] <= q_pos[:, None]"),
+    ("2.1", "mask from the shapes", "visible = k_pos[None, :] <= q_pos[:, None]",
+     "visible = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril(k.shape[-2] - q.shape[-2])"),
+    ("2.1", "a key at the query's own position hidden", "visible = k_pos[None, :] <= q_pos[:, None]",
+     "visible = k_pos[None, :] < q_pos[:, None]"),
+    ("2.1", "no 1/sqrt(D)", "q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])", "q @ k.transpose(-2, -1)"),
+    ("2.1", "calls toyllm's dense_attention", '''
+def attention_with_offset(q, k, v, q_pos, k_pos):
+    from toyllm.attention import dense_attention
+    return dense_attention(q, k, v, q_pos, k_pos)
+''', None),
+    ("2.2", "a float, not an int", "    return round(2 * n_layers * n_kv_heads * head_dim * tokens * batch * bytes_per_value)",
+     "    return 2 * n_layers * n_kv_heads * head_dim * tokens * batch * bytes_per_value"),
+    ("2.2", "whole bytes per value", "tokens * batch * bytes_per_value)", "tokens * batch * int(bytes_per_value))"),
+    ("2.2", "no input check", "        if value < 0:\n", "        if False:\n"),
+    ("2.2", "calls toyllm.analysis", '''
+def kv_cache_bytes(n_layers, n_kv_heads, head_dim, tokens, bytes_per_value=2, batch=1):
+    from toyllm.analysis import kv_cache_bytes as formula
+    return formula(n_layers, n_kv_heads, head_dim, tokens, bytes_per_value, batch)
+''', None),
+    ("2.3", "truncates", "return math.ceil(2 * n_blocks", "return int(2 * n_blocks"),
+    ("2.3", "rounds to nearest", "return math.ceil(2 * n_blocks", "return round(2 * n_blocks"),
+    ("2.3", "whole bytes per value", "head_dim * bits / 8)", "head_dim * (bits // 8))"),
+    ("2.3", "whole reserve", "rows = reserve * (max_seq_len - 1)", "rows = int(reserve) * (max_seq_len - 1)"),
+    ("2.3", "reserve = 1 rejected", "if not 1.0 <= reserve <= 2.0:", "if not 1.0 < reserve <= 2.0:"),
+    ("2.3", "bits not checked", "if bits <= 0 or bits != int(bits):", "if False:"),
+    ("2.3", "query heads instead of K/V heads", "return math.ceil(2 * n_blocks * n_kv_heads", "return math.ceil(2 * n_blocks * 32"),
+    ("2.4", "no cache: the whole sequence every step",
+     "logits = model(torch.tensor([[new_ids[-1]]]), input_pos=cache.length, cache=cache)[0, -1]",
+     "logits = model(torch.tensor([[int(t) for t in prompt_ids] + new_ids]))[0, -1]"),
+    ("2.4", "decode at the wrong position", "input_pos=cache.length, cache=cache)[0, -1]",
+     "input_pos=cache.length - 1, cache=cache)[0, -1]"),
+    ("2.4", "one token too many", "while len(new_ids) < max_new_tokens:", "while len(new_ids) <= max_new_tokens:"),
+    ("2.4", "calls toyllm's generate", '''
+def cached_generate(model, prompt_ids, max_new_tokens):
+    from toyllm import generate
+    return generate(model, prompt_ids, max_new_tokens, method="cached").output_ids
+''', None),
+    ("3.1", "forgets the output bytes", "(B * D + D * F + B * F)", "(B * D + D * F)"),
+    ("3.1", "no input check", "    if min(B, D, F) < 1:\n", "    if False:\n"),
+    ("3.2", "integer division", "return S * T / (S + T)", "return S * T // (S + T)"),
+    ("3.3", "forgets the batch", "(batch * kv_bytes_per_seq + param_bytes) / hbm_bandwidth_bytes_per_s\n    # END",
+     "(kv_bytes_per_seq + param_bytes) / hbm_bandwidth_bytes_per_s\n    # END"),
+    ("3.3", "no bandwidth check", "    if hbm_bandwidth_bytes_per_s <= 0:\n        raise ValueError(f\"hbm_bandwidth",
+     "    if False:\n        raise ValueError(f\"hbm_bandwidth"),
+    ("3.4", "adds instead of taking the longer", "max(2 * batch * param_count / peak_flops, param_bytes / hbm_bandwidth_bytes_per_s)",
+     "2 * batch * param_count / peak_flops + param_bytes / hbm_bandwidth_bytes_per_s"),
+    ("3.4", "one FLOP per parameter", "max(2 * batch * param_count / peak_flops,", "max(batch * param_count / peak_flops,"),
+    ("3.5", "one token per step", "return batch / min_step_time_s(", "return 1 / min_step_time_s("),
+    ("3.6", "a float, not an int", "max(0, math.floor((hbm_bytes - param_bytes) / kv_bytes_per_seq))",
+     "max(0, (hbm_bytes - param_bytes) // kv_bytes_per_seq)"),
+    ("3.6", "negative batches", "max(0, math.floor((hbm_bytes - param_bytes) / kv_bytes_per_seq))",
+     "math.floor((hbm_bytes - param_bytes) / kv_bytes_per_seq)"),
+    ("3.6", "calls toyllm.analysis", '''
+def max_batch_size(param_bytes, kv_bytes_per_seq, hbm_bytes):
+    from toyllm import analysis
+    return analysis.max_batch_size(param_bytes, kv_bytes_per_seq, hbm_bytes)
+''', None),
+]
+
+RIGHT = [  # (exercise, which way, the function)
+    ("1.1", "max over the ids", '''
+def greedy_next_token(logits):
+    if logits.dim() != 1 or len(logits) == 0:
+        raise ValueError("one position's logits, please")
+    values = logits.tolist()
+    return max(range(len(values)), key=values.__getitem__)
+'''),
+    ("1.2", "Gumbel-max", '''
+def sample_next_token(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        return int(logits.argmax())
+    scaled = logits.double() / temperature
+    if top_k is not None and top_k < len(scaled):
+        scaled[scaled < scaled.topk(top_k).values[-1]] = float("-inf")
+    if top_p is not None:
+        order = scaled.argsort(descending=True)
+        p = scaled[order].softmax(-1)
+        keep = torch.zeros(len(scaled), dtype=torch.bool)
+        keep[order] = (p.cumsum(-1) - p) < top_p
+        scaled[~keep] = float("-inf")
+    u = torch.rand(len(scaled), generator=generator, dtype=torch.float64).clamp_min(1e-300)
+    return int((scaled - torch.log(-torch.log(u))).argmax())
+'''),
+    ("1.2", "inverse CDF with exact fractions", '''
+def sample_next_token(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
+    from fractions import Fraction
+    import math
+    if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
+        raise ValueError("bad sampling parameters")
+    if temperature == 0:
+        return int(logits.argmax())
+    ranked = sorted(range(len(logits)), key=lambda i: -float(logits[i]))
+    if top_k is not None:
+        ranked = ranked[:top_k]
+    weights = [math.exp((float(logits[i]) - float(logits[ranked[0]])) / temperature) for i in ranked]
+    if top_p is not None:
+        total, before, kept = sum(weights), 0.0, []
+        for w in weights:
+            if before / total >= top_p:
+                break
+            kept.append(w)
+            before += w
+        weights = kept
+    u = float(torch.rand(1, generator=generator)) * sum(weights)
+    for i, w in zip(ranked, weights):
+        u -= w
+        if u < 0:
+            return i
+    return ranked[len(weights) - 1]
+'''),
+    ("2.1", "einsum", '''
+def attention_with_offset(q, k, v, q_pos, k_pos):
+    scores = torch.einsum("bhtd,bhsd->bhts", q, k) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    return torch.einsum("bhts,bhsd->bhtd", scores.softmax(-1), v)
+'''),
+    ("2.1", "SDPA", '''
+def attention_with_offset(q, k, v, q_pos, k_pos):
+    import torch.nn.functional as F
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=k_pos[None, :] <= q_pos[:, None])
+'''),
+    ("2.2", "math.prod", '''
+def kv_cache_bytes(n_layers, n_kv_heads, head_dim, tokens, bytes_per_value=2, batch=1):
+    if min(n_layers, n_kv_heads, head_dim, tokens, batch) < 0 or bytes_per_value <= 0:
+        raise ValueError("counts must be >= 0 and bytes_per_value > 0")
+    return int(round(math.prod([2, n_layers, n_kv_heads, head_dim, tokens, batch]) * bytes_per_value))
+'''),
+    ("2.3", "exact fractions", '''
+def static_buffer_bytes(n_blocks, n_kv_heads, head_dim, max_seq_len, bits=16, reserve=2.0):
+    from fractions import Fraction
+    if max_seq_len < 2 or not 1 <= reserve <= 2 or bits <= 0 or bits % 1:
+        raise ValueError("bad buffer parameters")
+    return math.ceil(2 * n_blocks * n_kv_heads * Fraction(reserve) * (max_seq_len - 1) * head_dim * Fraction(bits, 8))
+'''),
+    ("3.2", "exact fractions", '''
+def attention_intensity(S, T):
+    from fractions import Fraction
+    if S < 1 or T < 1:
+        raise ValueError("S and T must be at least 1")
+    return Fraction(S * T, S + T)
+'''),
+    ("3.6", "integer division of exact values", '''
+def max_batch_size(param_bytes, kv_bytes_per_seq, hbm_bytes):
+    from fractions import Fraction
+    if kv_bytes_per_seq <= 0:
+        raise ValueError("kv_bytes_per_seq must be positive")
+    return max(0, int((Fraction(hbm_bytes) - Fraction(param_bytes)) // Fraction(kv_bytes_per_seq)))
+'''),
+]
+
+_LESSON_FILES = {n: name for n, name in LESSONS.items()}
+
+
+def _variant(tmp_path: Path, exercise: str, old: str, new: str | None) -> Path:
+    lesson = int(exercise.split(".")[0])
+    name = next((ROOT / "solutions").glob(f"ex{lesson:02d}_*.py")).name
+    source = (ROOT / "solutions" / name).read_text()
+    if new is None:
+        source += "\n\n" + textwrap.dedent(old)
+    else:
+        assert source.count(old) >= 1, f"the model answer changed: {old!r} is gone"
+        head, _, tail = source.rpartition(old)         # the code, not the hint that may quote it
+        source = head + new + tail
+    (tmp_path / name).write_text(source)
+    return tmp_path
+
+
+def _run_exercise(impl: Path, exercise: str) -> dict[str, str]:
+    """Run the graded tests of one exercise in this process against ``impl``: {test name: "passed" or why not}."""
+    import importlib.util
+    import inspect
+
+    from toyllm import build_model
+    from toyllm.grading import sandbox
+    from toyllm.grading.sandbox import LocalModule
+
+    lesson = int(exercise.split(".")[0])
+    path = next((ROOT / "tests" / "grading").glob(f"test_ex{lesson:02d}_*.py"))
+    spec = importlib.util.spec_from_file_location(f"_graded_{path.stem}", path)
+    tests = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tests)
+    name = f"ex{lesson:02d}"
+    module = LocalModule(load_exercise(name, impl=impl), load_exercise(name, impl="solutions"))
+    outcomes = {}
+    for test_name, fn in vars(tests).items():
+        marks = {m.name: m.args for m in getattr(fn, "pytestmark", [])}
+        if not test_name.startswith("test_") or marks.get("exercise") != (exercise,):
+            continue
+        violations = []
+        sandbox.context.exercise = exercise
+        sandbox.context.forbidden = tuple(getattr(tests, "FORBIDDEN", {}).get(exercise, ()))
+        sandbox.context.on_violation = lambda ex, message: violations.append(message)
+        args = {p: {name: module, "tiny_model": build_model("tiny", seed=0)}[p] for p in inspect.signature(fn).parameters}
+        try:
+            fn(**args)
+            outcomes[test_name] = violations[0] if violations else "passed"
+        except Exception as e:
+            outcomes[test_name] = f"{type(e).__name__}: {e}"
+        finally:
+            sandbox.context.exercise, sandbox.context.forbidden, sandbox.context.on_violation = None, (), None
+    assert outcomes, f"no graded tests for exercise {exercise}"
+    return outcomes
+
+
+@pytest.mark.parametrize("exercise, mistake, old, new", WRONG, ids=[f"{w[0]} {w[1]}" for w in WRONG])
+def test_every_kind_of_mistake_loses_points(tmp_path, exercise, mistake, old, new):
+    outcomes = _run_exercise(_variant(tmp_path, exercise, old, new), exercise)
+    failed = {name: why for name, why in outcomes.items() if why != "passed"}
+    assert failed, f"Exercise {exercise} with the mistake '{mistake}' still passes every graded test"
+    for why in failed.values():                    # each message names the call, not just `assert 0 == 8`
+        assert not why.startswith("AssertionError: assert "), why
+
+
+@pytest.mark.parametrize("exercise, way, source", RIGHT, ids=[f"{r[0]} {r[1]}" for r in RIGHT])
+def test_every_correct_alternative_keeps_full_marks(tmp_path, exercise, way, source):
+    outcomes = _run_exercise(_variant(tmp_path, exercise, source, None), exercise)
+    assert all(why == "passed" for why in outcomes.values()), outcomes
+
+
+def test_a_mistake_in_one_exercise_costs_no_other_exercise(tmp_path):
+    """3.5 calls 3.3's min_step_time_s: while 3.5 is graded, 3.3 is the model answer."""
+    impl = _variant(tmp_path, "3.3", "(batch * kv_bytes_per_seq + param_bytes) / hbm_bandwidth_bytes_per_s\n    # END",
+                    "(kv_bytes_per_seq + param_bytes) / hbm_bandwidth_bytes_per_s\n    # END")
+    assert any(why != "passed" for why in _run_exercise(impl, "3.3").values())
+    assert all(why == "passed" for why in _run_exercise(impl, "3.5").values())
+
+
+def test_failure_messages_say_what_was_called_expected_and_got(tmp_path):
+    impl = _variant(tmp_path, "2.4", "logits = model(torch.tensor([[new_ids[-1]]]), input_pos=cache.length",
+                    "logits = model(torch.tensor([[new_ids[0]]]), input_pos=cache.length")
+    outcomes = _run_exercise(impl, "2.4")
+    why = outcomes["test_ex2_4_same_tokens_as_without_a_cache"]
+    assert re.fullmatch(r"AssertionError: cached_generate\(prompt of 8 tokens, 12 new\): token \d+ differs: "
+                        r"expected \d+, got \d+", why), why
+    impl = _variant(tmp_path, "2.2", "    return round(2 * n_layers * n_kv_heads * head_dim * tokens * batch * bytes_per_value)",
+                    "    return 2 * n_layers * n_kv_heads * head_dim * tokens * batch * bytes_per_value")
+    why = _run_exercise(impl, "2.2")["test_ex2_2_other_precisions_and_shapes"]
+    assert "expected 5765760 (int), got 5765760.0 (float)" in why, why

@@ -189,6 +189,26 @@ def test_pool_reuses_its_processes_across_tasks():
         pool.run(W.rank_info)
 
 
+@pytest.mark.timeout(60)
+def test_a_bad_request_to_a_running_pool_is_rejected_and_the_pool_goes_on():
+    with WorkerPool(2, timeout_s=50) as pool:
+        pids = list(pool.pids)
+        for call, pattern in [
+            (lambda: pool.run(lambda ctx: ctx.rank), r"lambda or a nested function"),
+            (lambda: pool.run(_pretend_main), r"defined in __main__"),
+            (lambda: pool.run(W.scaled_rank, args=(threading.Lock(),)), r"must be picklable"),
+            (lambda: pool.run(W.scaled_rank, args=2.0), r"args must be a tuple"),
+            (lambda: pool.run(W.scaled_rank, args=(1.0,), kwargs=[1]), r"kwargs must be a dict"),
+            (lambda: pool.run(W.rank_info, timeout_s=0), r"timeout_s must be a positive number"),
+            (lambda: pool.run(W.rank_info, timeout_s=float("nan")), r"timeout_s must be a positive number"),
+        ]:
+            with pytest.raises(ValueError, match=pattern):
+                call()
+            assert not pool.closed and pool.pids == pids and all(psutil.pid_exists(pid) for pid in pids)
+        assert [o[:3] for o in pool.run(W.rank_info)] == [(0, 2, 3.0), (1, 2, 3.0)]
+    assert_no_workers_left(pids)
+
+
 @pytest.mark.timeout(40)
 def test_failure_in_pool_raises_and_closes_it(tmp_path):
     pool = WorkerPool(2, timeout_s=30)

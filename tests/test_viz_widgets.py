@@ -162,6 +162,9 @@ def test_kv_calculator_presets_set_the_sliders():
     assert calc.nbytes == 2 * 30 * 3 * 64 * 8192 * 2
     calc.preset.value = "LLaMA-2-13B with 8 KV heads (GQA)"
     assert calc.nbytes == 6_710_886_400 // 5
+    assert "4,096 tokens: 8,192 is a hypothetical length" in calc.text.value     # LLaMA-2's context is 4096
+    calc.tokens.value = 4096
+    assert "hypothetical" not in calc.text.value
 
 
 def test_kv_calculator_plot_marks_the_chosen_length():
@@ -181,6 +184,8 @@ def test_roofline_explorer_pop_quiz_step_times():
     assert ex.min_step_time_s == pytest.approx(18.50e-3, rel=2e-3)
     assert ex.compute_bound
     assert "21.05 ms" in ex.text.value and "compute-bound" in ex.text.value
+    # int8 weights: the quiz's 8192 x 32768 matmul turns compute-bound from B = 124, not 240
+    assert ex.crossing_batch == 124 and "compute-bound from B = 124" in ex.text.value
 
 
 def test_roofline_explorer_without_a_model_and_its_plot():

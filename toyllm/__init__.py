@@ -11,11 +11,14 @@ from .generation import GenerationResult, decode_step, generate, prefill, sample
 from .model import PRESETS, ModelConfig, Transformer, build_model, get_config
 
 
-def load_model(name: str = "tiny", attention="dense", seed: int = 0):
-    """(model, tokenizer) for a preset: "tiny", "bench" (random, seeded) or "smollm2-135m" (GGUF weights)."""
+def load_model(name: str = "tiny", attention="dense", seed: int = 0, weights: str = "fp32"):
+    """(model, tokenizer) for a preset: "tiny", "bench" (random, seeded) or "smollm2-135m" (GGUF weights).
+
+    weights: "fp32", "bf16", "fp16" or "int8" (see ``toyllm.quant``).
+    """
     from .weights import load_model as _load
 
-    return _load(name, attention=attention, seed=seed)
+    return _load(name, attention=attention, seed=seed, weights=weights)
 
 
 __all__ = ["ModelConfig", "PRESETS", "Transformer", "build_model", "get_config", "load_model",

@@ -10,8 +10,10 @@ The two questions behind most of it:
 - Is an operation limited by arithmetic or by memory traffic? Compare its
   arithmetic intensity (FLOPs per byte moved) with the hardware's
   (peak FLOP/s divided by memory bandwidth). A [B, D] x [D, F] matmul has
-  intensity about B, so decoding one token at a time is memory-bound;
-  attention has intensity S*T/(S+T): about T/2 in prefill, about 1 in decode.
+  intensity about B in 16-bit (B/2 in float32), so decoding one token at a
+  time is memory-bound; fused attention has intensity S*T/(S+T) in 16-bit:
+  about T/2 in prefill, about 1 in decode (times the GQA group size), while
+  a dense kernel that writes the score matrix stays near the head size.
 - How long must a decode step take at least? Every step reads all the
   parameters and every sequence's KV cache once:
   (batch * KV bytes + parameter bytes) / bandwidth.
@@ -156,33 +158,80 @@ def matmul_intensity(B: int, D: int, F: int, bytes_per_value: float = 2) -> floa
     return matmul_flops(B, D, F) / matmul_bytes(B, D, F, bytes_per_value)
 
 
-def attention_flops(S: int, T: int, head_dim: int, batch: int = 1) -> int:
-    """FLOPs of one head's attention, T queries over S keys: 2BSTD for QK^T plus 2BSTD for times V.
+def attention_flops(S: int, T: int, head_dim: int, batch: int = 1, *, group: int = 1) -> int:
+    """FLOPs of attention of ``group`` query heads sharing one K/V head, T queries over S keys each.
 
+    2BGSTD for QK^T plus 2BGSTD for the weights times V (group=1: one head).
     Counts every query-key pair (dense); a causal prefill needs only about half.
     """
-    return 4 * batch * S * T * head_dim
+    return 4 * batch * group * S * T * head_dim
 
 
-def attention_bytes(S: int, T: int, head_dim: int, bytes_per_value: float = 2, batch: int = 1) -> float:
-    """Bytes one head's fused (flash-style) attention moves: read Q [B,T,D], K and V [B,S,D], write out [B,T,D]."""
-    return bytes_per_value * batch * head_dim * (2 * S + 2 * T)
+def attention_bytes(S: int, T: int, head_dim: int, bytes_per_value: float = 2, batch: int = 1, *,
+                    group: int = 1, kernel: str = "fused") -> float:
+    """Bytes one K/V head's attention moves for its ``group`` query heads (1: plain multi-head attention).
+
+    "fused" (flash-style: the S x T scores stay in on-chip memory): read Q
+    [B, G*T, D], K and V [B, S, D] once, write the output [B, G*T, D]:
+    bytes_per_value * B * D * (2S + 2GT). Sharing K and V among the G query
+    heads (GQA) is what keeps their bytes from growing with G.
+    "dense" (score matrix materialised, toyllm's default kernel): the same
+    plus writing and reading back the G*T x S scores once, 2GTS values; a
+    real dense kernel makes more passes (mask, softmax), so this is a floor.
+    """
+    if kernel not in ("fused", "dense"):
+        raise ValueError(f"kernel must be 'fused' or 'dense', got {kernel!r}")
+    if min(S, T, head_dim, batch, group) < 1:
+        raise ValueError(f"S, T, head_dim, batch and group must be at least 1, got S={S}, T={T}, "
+                         f"head_dim={head_dim}, batch={batch}, group={group}")
+    values = head_dim * (2 * S + 2 * group * T)
+    if kernel == "dense":
+        values += 2 * group * T * S
+    return bytes_per_value * batch * values
 
 
-def attention_intensity(S: int, T: int) -> float:
-    """FLOPs per byte of fused attention in 16-bit: 4BSTD / (4BSD + 4BTD) = S*T / (S+T).
+def attention_intensity(S: int, T: int, head_dim: int | None = None, *, group: int = 1, kernel: str = "fused",
+                        bytes_per_value: float = 2) -> float:
+    """FLOPs per byte of attention, T queries over S keys, ``group`` query heads per K/V head.
 
-    Prefill (S = T): T/2, grows with the prompt, easily compute-bound.
-    Decode (T = 1, S large): about 1, always memory-bound.
+    Defaults (fused kernel, 16-bit, one query head per K/V head):
+    4STD / (4SD + 4TD) = S*T / (S+T); head_dim cancels and may be left out.
+    Prefill (S = T): T/2, grows with the prompt. Decode (T = 1, S large):
+    about 1, memory-bound however long the context. With GQA the G query
+    heads reuse every K/V byte: about G in decode, 2GST / (bytes_per_value (S + GT)) in general.
+    kernel="dense" also counts the score matrix (head_dim required): about
+    head_dim (in 16-bit) once T and S are much larger than head_dim, whatever the prompt length.
     """
     if S < 1 or T < 1:
         raise ValueError(f"S (keys) and T (queries) must be at least 1, got S={S}, T={T}")
-    return S * T / (S + T)
+    if kernel == "dense" and head_dim is None:
+        raise ValueError("kernel='dense' needs head_dim: the score matrix's bytes do not cancel against it")
+    D = 1 if head_dim is None else head_dim                               # cancels for the fused kernel
+    return (attention_flops(S, T, D, group=group)
+            / attention_bytes(S, T, D, bytes_per_value, group=group, kernel=kernel))
 
 
 def critical_intensity(peak_flops: float, bandwidth_bytes_per_s: float) -> float:
     """The hardware's FLOPs per byte: above it an operation is compute-bound (TPU v5e bf16: about 240)."""
     return peak_flops / bandwidth_bytes_per_s
+
+
+def crossing_batch(D: int, F: int, peak_flops: float, bandwidth_bytes_per_s: float,
+                   bytes_per_value: float = 2) -> int | None:
+    """Smallest B (tokens per step) at which a [B, D] x [D, F] matmul is compute-bound, or None if never.
+
+    Solves 2BDF / (bytes_per_value (BD + DF + BF)) >= peak / bandwidth for B.
+    The rule "intensity is about B" puts it at the ridge itself (in 16-bit);
+    the exact crossing of a finite matmul is a little higher: 257 for
+    LLaMA-2-13B's 5120 x 13824 MLP matmul on a TPU v5e (ridge 240), and 124
+    for the pop quiz's 8192 x 32768 matmul with int8 weights (ridge 243, one
+    byte per value halves the critical batch to about 120).
+    """
+    ridge = critical_intensity(peak_flops, bandwidth_bytes_per_s)
+    spare = 2 * D * F - ridge * bytes_per_value * (D + F)                 # > 0 when large B can get there
+    if spare <= 0:
+        return None
+    return max(1, math.ceil(ridge * bytes_per_value * D * F / spare))
 
 
 def roofline_time_s(flops: float, bytes_moved: float, peak_flops: float, bandwidth_bytes_per_s: float) -> float:

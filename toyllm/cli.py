@@ -2,6 +2,12 @@
 
 Commands: demo, generate, prefill, search, bench, grade. Every command that
 measures something accepts ``--json`` and then prints one JSON object.
+
+Each command is two functions: ``check_*`` turns the flags into what the work
+needs and raises ValueError for every user error (one line on stderr, exit
+code 2, no process started), using the library's own checks where the rule
+lives there; ``cmd_*`` does the work, where an exception is a failure or a bug
+and keeps its traceback.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from . import grading
 from .attention import ATTENTION_KERNELS
 from .cache import CACHES
 from .model import PRESETS, get_config
+from .quant import WEIGHT_FORMATS
 from .utils import TextStreamer, random_prompt
 
 # More processes than this per core only time-slice the same cores (and, with gloo,
@@ -63,35 +70,66 @@ def _output_folder_exists(path: str, flag: str) -> None:
     _check(folder.is_dir(), f"{flag} {path}: the folder {folder} does not exist; create it first")
 
 
-def _check_world_size(p: int, force: bool) -> None:
+def _check_process_limit(p: int, force: bool) -> None:
+    """The one rule the library does not know: how many local processes this machine can usefully run."""
     limit = MAX_PROCESSES_PER_CORE * (os.cpu_count() or 1)
-    _check(p >= 1, f"--world-size must be at least 1, got {p}")
     _check(p <= limit or force, f"--world-size {p} is more than {MAX_PROCESSES_PER_CORE} processes per core on this "
                                 f"machine ({os.cpu_count()} cores, limit {limit}); add --force to start them anyway, "
                                 "or use torchrun across machines")
 
 
-def _encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
-    if not prompt:
-        raise ValueError("prompt is empty: pass --prompt with some text")
-    return tokenizer.encode_chat(prompt) if chat else tokenizer.encode(prompt)
+def _check_context(C: int, cfg, model: str) -> None:
+    """--context must be a prompt the model can hold; checked first, because the random prompt is built from it."""
+    _check(1 <= C <= cfg.max_context, f"--context {C}: {model} runs contexts of 1 to {cfg.max_context} tokens")
 
 
-def cmd_generate(args) -> int:
-    from . import generate, load_model
+def _check_request(what: str, check, *call_args, **kwargs):
+    """Run a library check (one place per rule) and name the flags behind a failure."""
+    try:
+        return check(*call_args, **kwargs)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
 
-    _check(args.max_new_tokens >= 0, f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+
+def check_generate(args) -> tuple:
+    """Every generate flag and the request itself, checked before any token is computed.
+
+    Returns (model, tokenizer, prompt ids) for ``cmd_generate``.
+    """
+    from . import load_model
+    from .generation import check_sampling
+
+    n = args.max_new_tokens
+    _check(n >= 0, f"--max-new-tokens must be >= 0, got {n}")
     if args.method == "naive":
         _check(args.cache == "dynamic", "--cache applies to --method cached; naive generation keeps no cache")
-    model, tokenizer = load_model(args.model, attention=args.attention)
-    ids = _encode_prompt(tokenizer, args.prompt, args.chat)
+    check_sampling(args.temperature, args.top_k, args.top_p)
+    if args.temperature == 0:
+        unused = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
+                  if value is not None]
+        _check(not unused, f"{' and '.join(unused)} only matter when sampling, and --temperature 0 decodes "
+                           "greedily; give --temperature > 0 or leave them out")
+    _check(bool(args.prompt), "prompt is empty: pass --prompt with some text")
+    model, tokenizer = load_model(args.model, attention=args.attention, weights=args.weights)
+    ids = tokenizer.encode_chat(args.prompt) if args.chat else tokenizer.encode(args.prompt)
+    limit = model.config.max_context
+    _check(len(ids) <= limit, f"--prompt is {len(ids)} tokens, longer than {args.model}'s max_context ({limit})")
+    _check(len(ids) + n <= limit, f"--max-new-tokens {n}: the prompt ({len(ids)} tokens) + {n} new tokens exceed "
+                                  f"{args.model}'s max_context ({limit}); ask for at most {limit - len(ids)}")
+    return model, tokenizer, ids
+
+
+def cmd_generate(args, prepared: tuple) -> int:
+    from . import generate
+
+    model, tokenizer, ids = prepared
     streamer = None if args.json else TextStreamer(tokenizer)
     result = generate(model, ids, args.max_new_tokens, method=args.method, cache=args.cache,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                       eos_id=tokenizer.eos_id, on_token=streamer)
     text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
     if args.json:
-        print(json.dumps({"model": args.model, "method": args.method, "cache": args.cache,
+        print(json.dumps({"model": args.model, "weights": args.weights, "method": args.method, "cache": args.cache,
                           "prompt_ids": result.prompt_ids, "output_ids": result.output_ids, "text": text,
                           "ttft_s": result.ttft_s, "tpot_s": result.tpot_s,
                           "stopped_on_eos": result.stopped_on_eos}))
@@ -101,20 +139,23 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def cmd_demo(args) -> int:
+def cmd_demo(args, _prepared=None) -> int:
     from . import generate, load_model
     from .bench import ensure_resident_heap, naive_vs_cached
 
-    ensure_resident_heap(["demo"])   # steadier timings (see toyllm/bench.py)
+    ensure_resident_heap(["demo", "--weights", args.weights])   # steadier timings (see toyllm/bench.py)
     print("== SmolLM2-135M-Instruct, read from its GGUF file, running in plain PyTorch ==")
-    model, tokenizer = load_model("smollm2-135m")
+    model, tokenizer = load_model("smollm2-135m", weights=args.weights)
     question = "What is the capital of France?"
     print(f"user: {question}\nassistant: ", end="", flush=True)
     result = generate(model, tokenizer.encode_chat(question), 48, eos_id=tokenizer.eos_id,
                       on_token=TextStreamer(tokenizer))
     print(f"\n[TTFT {result.ttft_s * 1e3:.0f} ms, {1 / max(result.tpot_s, 1e-9):.1f} tokens/s decoding]\n")
 
-    print("== Naive generation vs KV cache (same greedy tokens, different cost) ==")
+    print("== Decode speed: fewer bytes per weight, more tokens per second ==")
+    from .bench_decode import demo_decode_speed
+    demo_decode_speed()
+    print("\n== Naive generation vs KV cache (same greedy tokens, different cost) ==")
     row = naive_vs_cached(model, prompt_len=32, new_tokens=32, repeats=1)
     print(f"SmolLM2, 32-token prompt, 32 new tokens: naive {row['naive_s']:.2f} s, cached {row['cached_s']:.2f} s, "
           f"speedup {row['speedup']:.1f}x, identical tokens: {row['identical']}")
@@ -144,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m toyllm", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("demo", help="the main job: a SmolLM2 chat answer, then what the KV cache buys")
+    d = sub.add_parser("demo", help="the main job: a SmolLM2 chat answer, then what the KV cache buys")
+    d.add_argument("--weights", choices=list(WEIGHT_FORMATS), default="fp32", help="weight format of the chat answer")
 
     g = sub.add_parser("generate", help="generate text with a model")
     g.add_argument("--model", default="smollm2-135m", choices=sorted(PRESETS), help="model preset")
@@ -154,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", choices=list(GENERATION_METHODS), default="cached")
     g.add_argument("--cache", choices=sorted(CACHES), default="dynamic")
     g.add_argument("--attention", choices=sorted(ATTENTION_KERNELS), default="dense")
+    g.add_argument("--weights", choices=list(WEIGHT_FORMATS), default="fp32",
+                   help="weight format of the linear layers (fewer bytes: faster decoding)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--top-p", type=float, default=None)
@@ -179,23 +223,25 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--bandwidth", type=float, default=None, help="simulated link bandwidth in GB/s")
     f.add_argument("--latency", type=float, default=0.0, help="simulated link latency in seconds")
     f.add_argument("--noise", type=float, default=0.0, help="relative noise on the link between ranks 0 and 1")
-    f.add_argument("--backend", choices=list(BACKENDS), default="auto")
+    f.add_argument("--backend", choices=list(BACKENDS), default=None, help="process group backend (default auto)")
     f.add_argument("--decode", type=int, default=0, help="greedy tokens to decode after the prefill")
     f.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
     f.add_argument("--check", action="store_true", help="also prefill on one process and report the logit difference")
-    f.add_argument("--timeout", type=float, default=600.0, help="wall-clock limit in seconds")
+    f.add_argument("--timeout", type=float, default=None, help="wall-clock limit in seconds (default 600)")
     f.add_argument("--json", action="store_true")
 
     s = sub.add_parser("search", help="search the best KVR partition (simulated or measured cost)")
     s.add_argument("--model", default="bench", choices=sorted(PRESETS), help="model preset")
     s.add_argument("--context", type=_int_list, required=True, help="prompt length(s) in tokens, e.g. 4096,8192")
     s.add_argument("--world-size", type=int, default=2)
-    s.add_argument("--force", action="store_true", help=f"allow more than {MAX_PROCESSES_PER_CORE} processes per core")
-    s.add_argument("--attention", choices=sorted(ATTENTION_KERNELS), default="dense",
-                   help="the kernel whose cost is searched (measured runs, or the calibrated cost model)")
+    s.add_argument("--force", action="store_true",
+                   help=f"measured cost: allow more than {MAX_PROCESSES_PER_CORE} processes per core")
+    s.add_argument("--attention", choices=sorted(ATTENTION_KERNELS), default=None,
+                   help="the kernel whose cost is searched (measured runs, or the calibrated cost model; "
+                        "default dense)")
     s.add_argument("--cost", choices=["simulated", "measured"], default="simulated")
     s.add_argument("--min-stride", type=int, default=None, help="finest boundary step in tokens (default C/256)")
-    s.add_argument("--repeat", type=int, default=2, help="measured cost: timed runs per partition")
+    s.add_argument("--repeat", type=int, default=None, help="measured cost: timed runs per partition (default 2)")
     s.add_argument("--cost-model", default=None, help="simulated cost: CostModel JSON (default: calibrate now)")
     s.add_argument("--bandwidth", type=float, default=None, help="link bandwidth in GB/s (simulated link)")
     s.add_argument("--table", default=None, help="add the results to this partition table (JSON; created if missing)")
@@ -218,36 +264,84 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers like 5000,3192, got {text!r}")
 
 
-def cmd_prefill(args) -> int:
+def check_prefill(args) -> dict:
+    """Every prefill flag checked before any process starts; nothing silently ignored.
+
+    Returns what ``cmd_prefill`` needs: the model spec, the prompt, the chunks per rank and the link.
+    """
     from .launch import launched_by_torchrun
-    from .parallel import LinkModel, ModelSpec, parallel_prefill, single_prefill, torchrun_main
+    from .parallel import LinkModel, ModelSpec, check_prefill_request
     from .partition import PartitionTable
 
-    spec = ModelSpec(args.model, attention=args.attention)
+    torchrun, single = launched_by_torchrun(), args.method == "single"
     cfg = get_config(args.model)
-    _check_prefill_flags(args, cfg, launched_by_torchrun())
-    ids = random_prompt(args.context, cfg.vocab_size, args.seed)
-    p = 1 if args.method == "single" else (args.world_size or 2)
+    _check_context(args.context, cfg, args.model)
+    _check(args.repeat >= 1, f"--repeat must be at least 1, got {args.repeat}")
+    _check(args.threads >= 1, f"--threads must be at least 1, got {args.threads}")
+    _check(args.timeout is None or args.timeout > 0, f"--timeout must be > 0 seconds, got {args.timeout}")
+    if args.bandwidth is None:
+        _check(not args.latency and not args.noise, "--latency and --noise describe the simulated link: "
+                                                    "give --bandwidth too")
+    else:
+        _check(args.bandwidth > 0 and args.bandwidth != float("inf"),
+               f"--bandwidth must be a finite number of GB/s > 0, got {args.bandwidth}")
+        _check(0 <= args.latency < float("inf") and 0 <= args.noise < float("inf"),
+               f"--latency and --noise must be finite numbers >= 0, got {args.latency} and {args.noise}")
+        _check(not single, "--bandwidth simulates the link between processes; --method single has none")
+    _check(args.partition is None or args.partition_table is None,
+           "give either --partition or --partition-table, not both")
+    _check(args.overlap or args.method == "kvr", "--no-overlap applies to --method kvr only")
+    if single:
+        _check(args.partition is None and args.partition_table is None,
+               "--method single has nothing to partition; drop --partition / --partition-table")
+        _check(args.backend is None and args.timeout is None and not args.force,
+               "--backend, --timeout and --force apply to worker processes; --method single runs in this process")
+    if torchrun:
+        _check(args.world_size is None, "under torchrun the world size comes from --nproc-per-node; "
+                                        "drop --world-size")
+        _check(not args.force, "--force lifts the --world-size limit; under torchrun there is none")
+        _check(args.decode == 0, "--decode is not supported under torchrun; run without torchrun to decode")
+        _check(args.bandwidth is None, "--bandwidth (a simulated link on one machine) is not supported under torchrun")
+        _check(args.balance == "none", "--balance is not supported under torchrun; run without torchrun")
+    p = (int(os.environ["WORLD_SIZE"]) if torchrun else args.world_size if args.world_size is not None
+         else 1 if single else 2)
     partition = args.partition
     if args.partition_table:
         table = _from_file(PartitionTable.from_dict, args.partition_table, "--partition-table")
         _check(table.world_size == p, f"--partition-table {args.partition_table} is for {table.world_size} "
                                       f"processes, not {p}")
-        partition = table.predict(args.context)
+        partition = _check_request(f"--partition-table {args.partition_table}", table.predict, args.context)
+    spec = ModelSpec(args.model, attention=args.attention)
+    ids = random_prompt(args.context, cfg.vocab_size, args.seed)
+    flags = [f"--model {args.model}", f"--context {args.context}", f"--method {args.method}"]
+    flags += [f"--world-size {args.world_size}"] if args.world_size is not None else []
+    flags += [f"--partition {','.join(map(str, args.partition))}"] if args.partition else []
+    flags += [f"--balance {args.balance}"] if args.balance != "none" else []
+    flags += [f"--decode {args.decode}"] if args.decode else []
+    chunks = _check_request(" ".join(flags), check_prefill_request, spec, ids, args.method, p, partition,
+                            decode_tokens=args.decode, balance=args.balance)
+    if not torchrun and not single:
+        _check_process_limit(p, args.force)
     link = (LinkModel(args.bandwidth, args.latency, (0, 1) if args.noise else None, args.noise)
             if args.bandwidth is not None else None)
-    if launched_by_torchrun():
-        from .parallel import check_prefill_request
+    return dict(spec=spec, ids=ids, world_size=p, partition=partition, chunks=chunks, link=link, torchrun=torchrun)
 
-        chunks = check_prefill_request(spec, ids, args.method, int(os.environ["WORLD_SIZE"]), partition)
-        result = torchrun_main(spec, ids, args.method, chunks, overlap=args.overlap, link=link, repeat=args.repeat,
-                               warmup=1, backend=args.backend, timeout_s=args.timeout)
+
+def cmd_prefill(args, plan: dict) -> int:
+    from .parallel import parallel_prefill, single_prefill, torchrun_main
+
+    spec, ids, link = plan["spec"], plan["ids"], plan["link"]
+    backend, timeout_s = args.backend or "auto", 600.0 if args.timeout is None else args.timeout
+    if plan["torchrun"]:
+        torch.set_num_threads(args.threads)
+        result = torchrun_main(spec, ids, args.method, plan["chunks"], overlap=args.overlap, link=link,
+                               repeat=args.repeat, warmup=1, backend=backend, timeout_s=timeout_s)
         if result is None:      # not rank 0: rank 0 reports
             return 0
     else:
-        result = parallel_prefill(spec, ids, args.method, p, partition, overlap=args.overlap, balance=args.balance,
-                                  link=link, repeat=args.repeat, threads_per_rank=args.threads,
-                                  backend=args.backend, decode_tokens=args.decode, timeout_s=args.timeout)
+        result = parallel_prefill(spec, ids, args.method, plan["world_size"], plan["partition"], overlap=args.overlap,
+                                  balance=args.balance, link=link, repeat=args.repeat, threads_per_rank=args.threads,
+                                  backend=backend, decode_tokens=args.decode, timeout_s=timeout_s)
     if args.check:
         torch.set_num_threads(args.threads)
         ref, _ = single_prefill(spec.build(), ids)
@@ -266,76 +360,56 @@ def cmd_prefill(args) -> int:
     return 0
 
 
-def _check_prefill_flags(args, cfg, torchrun: bool) -> None:
-    """Every prefill flag checked before any process starts; nothing silently ignored."""
-    C = args.context
-    _check(C >= 1, f"--context must be at least 1 token, got {C}")
-    _check(C <= cfg.max_context, f"--context {C} is longer than {args.model}'s max_context ({cfg.max_context} tokens)")
-    _check(args.decode >= 0, f"--decode must be >= 0 tokens, got {args.decode}")
-    _check(C + args.decode <= cfg.max_context, f"--context {C} + --decode {args.decode} exceeds {args.model}'s "
-                                                f"max_context ({cfg.max_context} tokens)")
-    _check(args.repeat >= 1, f"--repeat must be at least 1, got {args.repeat}")
-    _check(args.threads >= 1, f"--threads must be at least 1, got {args.threads}")
-    _check(args.timeout > 0, f"--timeout must be > 0 seconds, got {args.timeout}")
-    if args.bandwidth is None:
-        _check(not args.latency and not args.noise, "--latency and --noise describe the simulated link: "
-                                                    "give --bandwidth too")
-    else:
-        _check(args.bandwidth > 0 and args.bandwidth != float("inf"),
-               f"--bandwidth must be a finite number of GB/s > 0, got {args.bandwidth}")
-        _check(args.latency >= 0 and args.noise >= 0, "--latency and --noise must be >= 0")
-        _check(args.method != "single", "--bandwidth simulates the link between processes; --method single has none")
-    _check(args.partition is None or args.partition_table is None,
-           "give either --partition or --partition-table, not both")
-    if args.method == "single":
-        _check(args.world_size in (None, 1), f"--method single runs one process; drop --world-size {args.world_size}")
-        _check(args.partition is None and args.partition_table is None,
-               "--method single has nothing to partition; drop --partition / --partition-table")
-    _check(args.overlap or args.method == "kvr", "--no-overlap applies to --method kvr only")
-    _check(args.balance == "none" or args.method == "tsp", "--balance applies to --method tsp only")
-    if torchrun:
-        _check(args.world_size is None, "under torchrun the world size comes from --nproc-per-node; "
-                                        "drop --world-size")
-        _check(args.decode == 0, "--decode is not supported under torchrun; run without torchrun to decode")
-        _check(args.bandwidth is None, "--bandwidth (a simulated link on one machine) is not supported under torchrun")
-    elif args.method != "single":
-        _check_world_size(args.world_size or 2, args.force)
-
-
-def cmd_search(args) -> int:
+def check_search(args) -> dict:
+    """Every search flag and file checked before the (possibly long) calibration or search starts."""
     from pathlib import Path
 
-    from .partition import PartitionTable, search_partition
-    from .simulate import CostModel, ttft_cost
+    from .parallel import ModelSpec, check_prefill_request
+    from .partition import PartitionTable
+    from .simulate import CostModel
 
-    cfg, p = get_config(args.model), args.world_size
+    cfg, p, measured = get_config(args.model), args.world_size, args.cost == "measured"
     _check(p >= 2, f"--world-size must be at least 2 to have a partition to search, got {p}")
-    for C in args.context:
-        _check(p <= C <= cfg.max_context, f"--context {C}: {args.model} runs contexts of {p} to "
-                                          f"{cfg.max_context} tokens on {p} processes")
+    spec = ModelSpec(args.model, attention=args.attention or "dense")
+    for C in args.context:   # the searched partition must be one prefill can run
+        _check_context(C, cfg, args.model)
+        _check_request(f"--context {C} --world-size {p}", check_prefill_request,
+                       spec, random_prompt(C, cfg.vocab_size), "kvr", p)
     _check(args.min_stride is None or args.min_stride >= 1, f"--min-stride must be >= 1 token, got {args.min_stride}")
-    _check(args.repeat >= 1, f"--repeat must be at least 1, got {args.repeat}")
-    if args.cost == "measured":
-        _check_world_size(p, args.force)
+    if measured:
+        _check(args.repeat is None or args.repeat >= 1, f"--repeat must be at least 1, got {args.repeat}")
+        _check_process_limit(p, args.force)
         _check(args.cost_model is None and args.bandwidth is None,
                "--cost-model and --bandwidth shape the simulated cost; --cost measured times real runs")
     else:
-        _check(args.bandwidth is None or args.bandwidth > 0, f"--bandwidth must be > 0 GB/s, got {args.bandwidth}")
+        _check(args.repeat is None and not args.force,
+               "--repeat and --force apply to --cost measured; the simulated search starts no process")
+        _check(args.bandwidth is None or 0 < args.bandwidth < float("inf"),
+               f"--bandwidth must be a finite number of GB/s > 0, got {args.bandwidth}")
+        _check(args.cost_model is None or args.attention is None,
+               "--attention picks the kernel to calibrate; a --cost-model file was calibrated for its own kernel")
     table = None
     if args.table:
         _output_folder_exists(args.table, "--table")
         table = (_from_file(PartitionTable.from_dict, args.table, "--table") if Path(args.table).exists()
                  else PartitionTable(p))
         _check(table.world_size == p, f"--table {args.table} is a table for {table.world_size} processes, not {p}")
-    pool, cost_model, results = None, None, []
+    cost_model = _from_file(CostModel.from_dict, args.cost_model, "--cost-model") if args.cost_model else None
+    return dict(cfg=cfg, spec=spec, table=table, cost_model=cost_model)
+
+
+def cmd_search(args, plan: dict) -> int:
+    from .partition import search_partition
+    from .simulate import CostModel, ttft_cost
+
+    cfg, spec, table, cost_model = plan["cfg"], plan["spec"], plan["table"], plan["cost_model"]
+    p, results, pool = args.world_size, [], None
     try:
         if args.cost == "simulated":
-            if args.cost_model:
-                cost_model = _from_file(CostModel.from_dict, args.cost_model, "--cost-model")
-            else:
+            if cost_model is None:
                 if not args.json:
                     print("calibrating the cost model on this machine (1 thread) ...", flush=True)
-                cost_model = CostModel.calibrate(cfg, attention=args.attention)
+                cost_model = CostModel.calibrate(cfg, attention=spec.attention)
             if args.bandwidth:
                 cost_model = cost_model.with_(link_bandwidth_bytes_per_s=args.bandwidth * 1e9)
         else:
@@ -344,10 +418,10 @@ def cmd_search(args) -> int:
             pool = WorkerPool(p, threads_per_rank=1, timeout_s=1800)
         for C in args.context:
             if pool is not None:
-                from .parallel import ModelSpec, measured_cost
+                from .parallel import measured_cost
 
                 ids = random_prompt(C, cfg.vocab_size)
-                cost = measured_cost(ModelSpec(args.model, attention=args.attention), ids, pool, repeat=args.repeat)
+                cost = measured_cost(spec, ids, pool, repeat=args.repeat or 2)
             else:
                 cost = ttft_cost(cfg, cost_model, "kvr")
             found = search_partition(cost, C, p, min_stride=args.min_stride, progress=not args.json)
@@ -374,23 +448,50 @@ def cmd_search(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
+def check_bench(args) -> None:
+    _output_folder_exists(args.out, "--out")
+
+
+def cmd_bench(args, _prepared=None) -> int:
     from .bench import run_benchmarks
 
-    _output_folder_exists(args.out, "--out")
     run_benchmarks(args.out, sections=args.only, quick=args.quick)
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "demo": cmd_demo, "prefill": cmd_prefill, "search": cmd_search,
-            "bench": cmd_bench, "grade": grading.main}
+def cmd_grade(args, _prepared=None) -> int:
+    return grading.main(args)   # checks its own input: bad input is one line and exit code 2 there too
+
+
+def _nothing_to_check(args) -> None:
+    return None
+
+
+# command -> (check, run): check raises ValueError for every user error before any work starts;
+# run does the work, and an exception there is a failure (or a bug) and keeps its traceback.
+COMMANDS = {"generate": (check_generate, cmd_generate), "demo": (_nothing_to_check, cmd_demo),
+            "prefill": (check_prefill, cmd_prefill), "search": (check_search, cmd_search),
+            "bench": (check_bench, cmd_bench), "grade": (_nothing_to_check, cmd_grade)}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Exit code 0: done; 2: bad input (one line on stderr, nothing started);
+    1: a worker process failed or the run hit its time limit (the message names the rank); 130: Ctrl-C."""
+    from .launch import WorkerError
+
     torch.set_grad_enabled(False)
     try:
         args = build_parser().parse_args(argv)
-        return COMMANDS[args.command](args)
+        check, run = COMMANDS[args.command]
+        prepared = check(args)
     except ValueError as e:   # bad input: one clear line, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        return run(args, prepared)
+    except (WorkerError, TimeoutError) as e:   # the message holds the failing rank's own traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:                  # the launcher has already ended every worker
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -7,6 +7,9 @@ tokens, so a whole generation is quadratic in the MLP and cubic in attention.
 ``cached``: one *prefill* over the prompt fills a KV cache and gives the first
 token; then each *decode step* feeds just the newest token and attends over
 the cache. Both give the same tokens (the cache only avoids recomputation).
+
+Both take one prompt or a batch of prompts of equal length; a batch moves
+through the model as one (B, T) tensor.
 """
 from __future__ import annotations
 
@@ -65,20 +68,26 @@ def sample_next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int
     set whose probability reaches top_p, and one token is drawn.
     """
     check_sampling(temperature, top_k, top_p)
+    return int(sample_next_tokens(logits[None], temperature, top_k, top_p, generator)[0])
+
+
+def sample_next_tokens(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+                       top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``sample_next_token`` for a batch: logits (B, vocab) -> token ids (B,), each row on its own."""
     if temperature == 0:
-        return int(torch.argmax(logits))
+        return torch.argmax(logits, dim=-1)
     logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]           # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        p = torch.softmax(sorted_logits, dim=-1)
         # drop a token when the ones before it already reach top_p (the top one always stays)
-        drop = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        drop = (p.cumsum(-1) - p) >= top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
 # --------------------------------------------------------------------------- the two building blocks of cached generation
@@ -102,19 +111,57 @@ def decode_step(model, token: int, cache) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- the loop
 
-def _check_request(model, prompt_ids, max_new_tokens, method, cache, prefilled_logits):
-    cfg = model.config
+def _as_batch(prompt_ids) -> tuple[list[list[int]], bool]:
+    """(the prompts as lists of ints, True if one prompt was given); ValueError for a malformed batch."""
+    if isinstance(prompt_ids, torch.Tensor):
+        if prompt_ids.dim() not in (1, 2):
+            raise ValueError(f"prompt_ids as a tensor must be 1-D (one prompt) or 2-D (a batch), "
+                             f"got shape {tuple(prompt_ids.shape)}")
+        prompt_ids = prompt_ids.tolist()
+    prompt_ids = list(prompt_ids)
     if len(prompt_ids) == 0:
-        raise ValueError("prompt is empty: give at least one token")
+        raise ValueError("prompt is empty: prompt_ids needs at least one token (or, for a batch, one prompt)")
+    nested = [isinstance(p, (list, tuple, torch.Tensor)) for p in prompt_ids]
+    if not any(nested):
+        return [[int(t) for t in prompt_ids]], True
+    if not all(nested):
+        raise ValueError("prompt_ids mixes token ids and lists: give one prompt (a list of ints) "
+                         "or a batch (a list of lists of ints)")
+    batch = [[int(t) for t in p] for p in prompt_ids]
+    lengths = sorted({len(p) for p in batch})
+    if lengths[0] == 0:
+        raise ValueError(f"prompt {[len(p) for p in batch].index(0)} of the batch is empty: "
+                         "every prompt in prompt_ids needs at least one token")
+    if len(lengths) > 1:
+        raise ValueError(f"the prompts in prompt_ids have different lengths {lengths[:5]}: a batch needs "
+                         "prompts of equal length (there is no padding); group prompts by length")
+    return batch, False
+
+
+def _check_request(model, prompts, max_new_tokens, method, cache, prefilled_logits, on_token):
+    cfg = model.config
+    B, T = len(prompts), len(prompts[0])
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {list(METHODS)}")
-    if prefilled_logits is not None and (method != "cached" or isinstance(cache, str) or cache.length == 0):
-        raise ValueError("prefilled_logits needs method='cached' and the cache object that holds the prompt")
+    if on_token is not None and B > 1:
+        raise ValueError(f"on_token streams one sequence; this batch has {B} prompts (read the results instead)")
+    if prefilled_logits is not None:
+        if method != "cached" or isinstance(cache, str) or cache.length == 0:
+            raise ValueError("prefilled_logits needs method='cached' and the cache object that holds the prompt")
+        if prefilled_logits.shape[-1] != cfg.vocab_size or prefilled_logits.reshape(-1, cfg.vocab_size).shape[0] != B:
+            raise ValueError(f"prefilled_logits must have shape ({B}, {cfg.vocab_size}) for {B} prompt(s), "
+                             f"got {tuple(prefilled_logits.shape)}")
+    if isinstance(cache, StaticKVCache) and cache.k_buf.shape[1] != B:
+        raise ValueError(f"the static cache was built for batch {cache.k_buf.shape[1]}, but prompt_ids has {B} prompts")
+    if not isinstance(cache, (str, StaticKVCache)) and method == "cached" and cache.length:
+        held_batch = next(iter(cache))[0].shape[0]
+        if held_batch != B:
+            raise ValueError(f"the cache holds {held_batch} sequence(s), but prompt_ids has {B} prompts")
     # tokens already in the cache come before this prompt, unless the prompt is what they are
     held = 0 if isinstance(cache, str) or method == "naive" or prefilled_logits is not None else cache.length
-    total = held + len(prompt_ids)
+    total = held + T
     if total > cfg.max_context:
         cached = f" ({held} of them already cached)" if held else ""
         raise ValueError(f"prompt has {total} tokens{cached} but max_context is {cfg.max_context}")
@@ -122,65 +169,86 @@ def _check_request(model, prompt_ids, max_new_tokens, method, cache, prefilled_l
         raise ValueError(f"prompt ({total} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                          f"max_context={cfg.max_context}; ask for at most {cfg.max_context - total} new tokens")
     if isinstance(cache, StaticKVCache):
-        needed = (0 if prefilled_logits is not None else len(prompt_ids)) + max_new_tokens - 1  # the last token is never fed back
+        needed = (0 if prefilled_logits is not None else T) + max_new_tokens - 1  # the last token is never fed back
         if needed > cache.window - cache.length:
             raise ValueError(f"cache too small: this request needs {needed} free rows but the static cache "
                              f"has {cache.window - cache.length} (window S-1 = {cache.window})")
 
 
 @torch.no_grad()
-def generate(model, prompt_ids: list[int], max_new_tokens: int = 32, *, method: str = "cached",
-             cache: str | DynamicKVCache | StaticKVCache = "dynamic", temperature: float = 0.0,
+def generate(model, prompt_ids: list[int] | list[list[int]], max_new_tokens: int = 32, *, method: str = "cached",
+             cache: str | DynamicKVCache | StaticKVCache = "static", temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
              eos_id: int | None = None, on_token: Callable[[int], None] | None = None,
-             return_logits: bool = False, prefilled_logits: torch.Tensor | None = None) -> GenerationResult:
+             return_logits: bool = False, prefilled_logits: torch.Tensor | None = None,
+             ) -> GenerationResult | list[GenerationResult]:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
 
+    prompt_ids: one prompt (a list of token ids) -> one ``GenerationResult``;
+    or a batch, a list of B prompts of equal length -> a list of B results.
+    A batch runs as one (B, T) tensor through the model, so each weight read
+    from memory serves B tokens at once.
     method: "naive" (recompute the whole prefix each step) or "cached".
-    cache: "dynamic", "static" or a cache object (cached method only); a
-    cache object that already holds tokens is continued: the prompt goes
-    after them.
+    cache: "static" (preallocated, written in place), "dynamic" (grows by
+    concatenation) or a cache object (cached method only); a cache object
+    that already holds tokens is continued: the prompt goes after them.
     prefilled_logits: the prompt is already in ``cache`` (for example after a
-    parallel prefill) and these are its last position's logits (vocab,);
-    generation starts by choosing from them, with no prefill.
+    parallel prefill) and these are its last position's logits, (vocab,) or
+    (B, vocab); generation starts by choosing from them, with no prefill.
     seed: seeds the sampler so sampled runs are reproducible.
-    eos_id: stop after this token is produced. on_token(id) is called for each
-    new token as soon as it exists (streaming).
+    eos_id: a sequence stops after producing this token (a batch runs until
+    every sequence has stopped). on_token(id) is called for each new token as
+    soon as it exists (streaming; one prompt only).
     """
-    prompt_ids = [int(t) for t in prompt_ids]
-    _check_request(model, prompt_ids, max_new_tokens, method, cache, prefilled_logits)
+    prompts, single = _as_batch(prompt_ids)
+    _check_request(model, prompts, max_new_tokens, method, cache, prefilled_logits, on_token)
     check_sampling(temperature, top_k, top_p)
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     device = model.rope_cos.device
+    B, T = len(prompts), len(prompts[0])
     t0 = time.perf_counter()
     if method == "cached" and isinstance(cache, str):
-        cache = make_cache(cache, model.config, max(2, len(prompt_ids) + max_new_tokens))
+        cache = make_cache(cache, model.config, max(2, T + max_new_tokens), batch=B)
 
-    ids = list(prompt_ids)
-    out, all_logits, step_times = [], [], []
-    stopped = False
+    # One buffer holds prompt and answer: the naive method reads growing slices of it, the
+    # cached one feeds back the newest column; no step allocates its input.
+    seq = torch.empty(B, T + max_new_tokens, dtype=torch.long, device=device)   # (B, T + n)
+    seq[:, :T] = torch.tensor(prompts, device=device)
+    n_out = torch.full((B,), max_new_tokens, dtype=torch.long)   # tokens each sequence keeps (cut after EOS)
+    stopped = torch.zeros(B, dtype=torch.bool)
+    all_logits, step_times = [], []
     ttft = 0.0
+    steps = 0
     for step in range(max_new_tokens):
         t_step = time.perf_counter()
+        end = T + step                                              # tokens so far
         if method == "naive":
-            logits = model(torch.tensor([ids], device=device), last_only=True)[0, -1]
+            logits = model(seq[:, :end], input_pos=0, last_only=True)[:, -1]             # (B, vocab)
         elif step > 0:
-            logits = decode_step(model, ids[-1], cache)
+            logits = model(seq[:, end - 1:end], input_pos=cache.length, cache=cache)[:, -1]
         elif prefilled_logits is not None:
-            logits = prefilled_logits
+            logits = prefilled_logits.reshape(B, -1)
         else:
-            logits = prefill(model, torch.tensor([ids], device=device), cache)
-        token = sample_next_token(logits, temperature, top_k, top_p, gen)
+            logits = model(seq[:, :T], input_pos=cache.length, cache=cache, last_only=True)[:, -1]
+        tokens = sample_next_tokens(logits, temperature, top_k, top_p, gen)            # (B,)
+        seq[:, end] = tokens
         step_times.append(time.perf_counter() - t_step)
         if step == 0:
             ttft = time.perf_counter() - t0
-        ids.append(token)
-        out.append(token)
+        steps = step + 1
         if return_logits:
             all_logits.append(logits.clone())
         if on_token is not None:
-            on_token(token)
-        if eos_id is not None and token == eos_id:
-            stopped = True
-            break
-    return GenerationResult(prompt_ids, out, ttft, step_times, stopped, all_logits if return_logits else None)
+            on_token(int(tokens[0]))
+        if eos_id is not None:
+            hit = (tokens.cpu() == eos_id) & ~stopped
+            n_out[hit] = step + 1
+            stopped |= hit
+            if bool(stopped.all()):
+                break
+    n_out.clamp_(max=steps)
+    out = seq[:, T:].tolist()
+    results = [GenerationResult(prompts[b], out[b][:int(n_out[b])], ttft, list(step_times), bool(stopped[b]),
+                                [l[b] for l in all_logits[:int(n_out[b])]] if return_logits else None)
+               for b in range(B)]
+    return results[0] if single else results

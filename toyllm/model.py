@@ -252,11 +252,13 @@ class Transformer(nn.Module):
         q_pos = self.positions(start, T)
         cos, sin = self.rope_cos[q_pos], self.rope_sin[q_pos]
         x = self.embed(ids)                                              # (B, T, d_model)
+        k_pos = q_pos
         for i, layer in enumerate(self.layers):
             q, k, v = layer.qkv(x, cos, sin)
             if cache is not None:
                 k, v = cache.update(i, k, v)                             # (B, Hkv, S, D): past + new
-            k_pos = torch.arange(start + T - k.shape[-2], start + T, device=q_pos.device)
+            if len(k_pos) != k.shape[-2]:                                # built once, not once per layer
+                k_pos = torch.arange(start + T - k.shape[-2], start + T, device=q_pos.device)
             x = layer.finish(x, layer.attend(q, k, v, q_pos, k_pos, self.attention))
         return self.head(x[:, -1:] if last_only else x)
 

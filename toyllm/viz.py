@@ -301,3 +301,98 @@ def plot_distribution(labels: Sequence[str], probs: Sequence[float], *, ax=None,
     ax.set_title(title)
     fig.tight_layout()
     return fig
+
+
+# --------------------------------------------------------------------------- lessons 06-07: partition search and networks
+
+def plot_boundary_search(results: Mapping[str, object], *, ax=None,
+                         title: str = "Two processes: TTFT against the boundary") -> Figure:
+    """TTFT against rank 0's chunk for two-process searches, one line per search, the best marked.
+
+    results: label -> a ``toyllm.partition.SearchResult`` (its ``history``
+    holds every partition evaluated, ``partition`` the best), e.g.
+    {"measured": ..., "cost model (simulated)": ...}. Times drawn in ms.
+    """
+    if not results:
+        raise ValueError("results is empty: give at least one {label: SearchResult}")
+    fig, ax = _new_axes(ax)
+    for label, res in results.items():
+        points = sorted((h["chunks"][0], h["cost_s"]) for h in res.history)
+        if any(len(h["chunks"]) != 2 for h in res.history):
+            raise ValueError(f"results[{label!r}] is not a two-process search")
+        line, = ax.plot([b for b, _ in points], [1e3 * t for _, t in points], "o-", ms=4,
+                        label=f"{label}: best {res.partition}")
+        ax.plot([res.partition[0]], [1e3 * res.cost_s], "*", ms=16, color=line.get_color())
+    ax.set_xlabel("tokens on rank 0 (the boundary)")
+    ax.set_ylabel("TTFT (ms)")
+    return _finish(fig, ax, title)
+
+
+def plot_partition_heatmap(context: int, surface: Mapping[tuple[int, int], float], *, path=None, ax=None,
+                           title: str = "TTFT over the two boundaries of a 3-way split") -> Figure:
+    """TTFT of three-process partitions as a heatmap over boundaries (b1, b2), with a search's path on it.
+
+    surface: (b1, b2) -> seconds on a regular grid of boundaries (b1 < b2);
+    path: optional ``SearchResult`` of a three-process search: its
+    evaluations are drawn coloured by level (coarse to fine), its best as a star.
+    """
+    import numpy as np
+
+    if not surface:
+        raise ValueError("surface is empty: give {(b1, b2): seconds}")
+    b1s, b2s = sorted({b for b, _ in surface}), sorted({b for _, b in surface})
+    grid = np.full((len(b2s), len(b1s)), np.nan)
+    col, row = {b: i for i, b in enumerate(b1s)}, {b: i for i, b in enumerate(b2s)}
+    for (b1, b2), t in surface.items():
+        grid[row[b2], col[b1]] = 1e3 * t
+    fig, ax = _new_axes(ax, figsize=(6.5, 5.5))
+    mesh = ax.pcolormesh(b1s, b2s, grid, shading="nearest", cmap="viridis_r")
+    fig.colorbar(mesh, ax=ax, label="TTFT (ms)")
+    if path is not None:
+        levels = sorted({h["level"] for h in path.history})
+        cmap = plt.get_cmap("autumn")
+        for lv in levels:
+            pts = [h["boundaries"][1:3] for h in path.history if h["level"] == lv]
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=10, color=cmap(lv / max(1, len(levels) - 1)),
+                       label=f"level {lv} (stride {next(h['stride'] for h in path.history if h['level'] == lv)})")
+        best = path.boundaries
+        ax.plot([best[1]], [best[2]], "*", ms=18, color="white", mec="black", label=f"best {path.partition}")
+        ax.legend(fontsize=7, loc="lower right")          # below the diagonal no partition exists
+    ax.set_xlabel("boundary 1: end of rank 0's chunk (tokens)")
+    ax.set_ylabel("boundary 2: end of rank 1's chunk (tokens)")
+    ax.set_xlim(0, context)
+    ax.set_ylim(0, context)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_speedup_map(contexts: Sequence[int], bandwidths_gbps: Sequence[float], speedup, *, ax=None,
+                     title: str = "Speedup of parallel prefill over one process") -> Figure:
+    """A map of speedup (one process's TTFT / the parallel TTFT) over context x bandwidth.
+
+    speedup: rows per context, columns per bandwidth (a nested list or
+    array). Green where parallel prefill wins, red where it loses; the black
+    line is speedup = 1, the break-even.
+    """
+    import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
+
+    values = np.asarray(speedup, dtype=float)
+    if values.shape != (len(contexts), len(bandwidths_gbps)):
+        raise ValueError(f"speedup has shape {values.shape}, expected (contexts, bandwidths) = "
+                         f"({len(contexts)}, {len(bandwidths_gbps)})")
+    fig, ax = _new_axes(ax, figsize=(6, 4.5))
+    lo, hi = min(values.min(), 0.99), max(values.max(), 1.01)
+    mesh = ax.pcolormesh(bandwidths_gbps, contexts, values, shading="nearest", cmap="RdYlGn",
+                         norm=TwoSlopeNorm(vcenter=1.0, vmin=lo, vmax=hi))
+    fig.colorbar(mesh, ax=ax, label="speedup (x)")
+    if values.min() < 1 < values.max():
+        ax.contour(bandwidths_gbps, contexts, values, levels=[1.0], colors="black", linewidths=1.5)
+    ax.set_xscale("log")
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("link bandwidth (GB/s)")
+    ax.set_ylabel("context (tokens)")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -163,7 +163,8 @@ def load_tokenizer(name: str = "tiny") -> Tokenizer:
     return ByteTokenizer()
 
 
-def load_model(name: str = "tiny", attention="dense", seed: int = 0) -> tuple[Transformer, Tokenizer]:
+def load_model(name: str = "tiny", attention="dense", seed: int = 0,
+               weights: str = "fp32") -> tuple[Transformer, Tokenizer]:
     """A model in eval mode and its tokenizer, by preset name.
 
     "smollm2-135m": the real SmolLM2-135M-Instruct, from the GGUF file of the
@@ -171,12 +172,20 @@ def load_model(name: str = "tiny", attention="dense", seed: int = 0) -> tuple[Tr
     Any other preset of ``toyllm.model.PRESETS`` ("tiny", "bench", ...):
     randomly initialised from ``seed``, with the byte tokenizer. Every call
     returns a new model object with its own weights.
+    weights: the format of the linear layers' weights, "fp32" (as loaded),
+    "bf16", "fp16" or "int8" (see ``toyllm.quant``); fewer bytes per weight
+    make decoding faster.
     """
+    from .quant import check_weight_format, convert_linears
+
+    check_weight_format(weights)
     tokenizer = load_tokenizer(name)
     if name == "smollm2-135m":
         cfg, state, _ = _smollm2()
-        return model_from_state_dict(cfg, state, attention), tokenizer
-    return build_model(name, seed=seed, attention=attention), tokenizer
+        model = model_from_state_dict(cfg, state, attention)
+    else:
+        model = build_model(name, seed=seed, attention=attention)
+    return convert_linears(model, weights), tokenizer
 
 
 __all__ = ["find_smollm2_gguf", "gguf_value", "read_gguf", "model_from_state_dict", "load_tokenizer", "load_model"]

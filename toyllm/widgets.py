@@ -74,8 +74,9 @@ def _fmt_bytes(n: float) -> str:
 # --------------------------------------------------------------------------- KV-cache memory
 
 def _shape(cfg, n_kv_heads: int | None = None) -> dict:
-    """The three model numbers the KV cache depends on, from a ModelConfig."""
-    return {"layers": cfg.n_layers, "kv_heads": n_kv_heads or cfg.n_kv_heads, "head_dim": cfg.head_dim}
+    """The three model numbers the KV cache depends on, from a ModelConfig, and its context length."""
+    return {"layers": cfg.n_layers, "kv_heads": n_kv_heads or cfg.n_kv_heads, "head_dim": cfg.head_dim,
+            "context": cfg.max_context}
 
 
 class KVMemoryCalculator(_Explorer):
@@ -143,6 +144,10 @@ class KVMemoryCalculator(_Explorer):
             f"<b>KV cache = 2 &times; {L} layers &times; {K} KV heads &times; {H} head_dim &times; {T:,} tokens "
             f"&times; {b} bytes &times; batch {B}</b><br>= {_fmt_bytes(self.nbytes)}"
             f"<br>{per_token:,.0f} bytes per token of one sequence")
+        context = self.PRESETS[self.preset.value]["context"]
+        if T > context:
+            self.text.value += (f"<br><i>{self.preset.value} was built for {context:,} tokens: "
+                                f"{T:,} is a hypothetical length for it</i>")
         if self.plot:
             xs = [round(2 * T * i / 50) for i in range(51)]   # up to twice the chosen length
             series = {f"{K} KV heads (this setting)": [self.bytes_for(x) for x in xs]}
@@ -165,6 +170,8 @@ class RooflineExplorer(_Explorer):
     per sequence: the memory-bound minimum (batch x KV + params) / bandwidth,
     and, if ``param_count`` is given too, the general estimate in which the
     matmuls may turn compute-bound (``analysis.step_time_s``).
+    ``crossing_batch`` is the smallest B at which the matmul is compute-bound
+    (``analysis.crossing_batch``; None if it never is).
     """
 
     def __init__(self, peak_flops: float, bandwidth: float, d_model: int = 4096, d_ff: int = 16384,
@@ -199,12 +206,15 @@ class RooflineExplorer(_Explorer):
         flops = analysis.matmul_flops(B, D, F)
         moved = analysis.matmul_bytes(B, D, F, self.bytes_per_value)
         self.matmul_time_s = analysis.roofline_time_s(flops, moved, self.peak_flops, self.bandwidth)
+        self.crossing_batch = analysis.crossing_batch(D, F, self.peak_flops, self.bandwidth, self.bytes_per_value)
         verdict = "compute-bound" if self.compute_bound else "memory-bound"
+        crossing = ("never compute-bound at any B" if self.crossing_batch is None
+                    else f"compute-bound from B = {self.crossing_batch}")
         lines = [f"<b>{self.name}</b>: {self.peak_flops:.3g} FLOP/s, {self.bandwidth:.3g} bytes/s "
                  f"&rarr; ridge at {self.ridge:.1f} FLOP/byte",
                  f"matmul [{B}, {D}] &times; [{D}, {F}], {self.bytes_per_value} byte(s) per value: "
                  f"intensity {self.intensity:.1f} FLOP/byte &rarr; <b>{verdict}</b>, "
-                 f"at least {self.matmul_time_s * 1e6:,.1f} &micro;s"]
+                 f"at least {self.matmul_time_s * 1e6:,.1f} &micro;s ({crossing})"]
         self.step_time_s = self.min_step_time_s = self.throughput_tokens_per_s = None
         if self.param_bytes is not None:
             self.min_step_time_s = analysis.min_step_time_s(self.param_bytes, self.kv_bytes_per_seq, B, self.bandwidth)
@@ -356,3 +366,97 @@ class CoverageExplorer(_Explorer):
                            f"the time to first token ({max(self.dots)})")
         if self.plot:
             self._show(viz.plot_coverage(self.chunks, self.method.value))
+
+
+# --------------------------------------------------------------------------- lessons 06-07: partitions and networks
+
+class PartitionExplorer(_Explorer):
+    """Drag the boundaries of a KV-Runahead partition and watch the simulated TTFT and timeline change.
+
+    cfg, cost_model: the model shape and the ``toyllm.simulate.CostModel``
+    (calibrated or assumed) the simulator uses; everything shown is
+    simulated. One slider per inner boundary (tokens). Kept as attributes:
+    ``chunks`` (None while the boundaries do not increase), ``ttft_s``,
+    ``even_ttft_s`` and ``result`` (the ``SimResult``).
+    """
+
+    def __init__(self, cfg, cost_model, context: int = 1024, world_size: int = 3,
+                 boundaries: Sequence[int] | None = None, plot: bool = True):
+        from .partition import boundaries_from_chunks, even_partition
+
+        super().__init__(plot)
+        if world_size < 2:
+            raise ValueError(f"world_size must be at least 2 to have a boundary to drag, got {world_size}")
+        self.cfg, self.cost_model, self.context = cfg, cost_model, context
+        start = list(boundaries) if boundaries is not None else boundaries_from_chunks(even_partition(context, world_size))[1:-1]
+        if len(start) != world_size - 1:
+            raise ValueError(f"{world_size} processes have {world_size - 1} inner boundaries, got {start}")
+        self.sliders = [W.IntSlider(b, min=1, max=context - 1, description=f"boundary {j + 1} (tokens)", **_SLIDER)
+                        for j, b in enumerate(start)]
+        self._observe(*self.sliders)
+        self.widget = W.VBox([*self.sliders, self.text, self.out])
+        self.update()
+
+    def update(self) -> None:
+        from .partition import even_partition
+        from .simulate import simulate_prefill
+
+        bounds = [0, *(s.value for s in self.sliders), self.context]
+        if any(lo >= hi for lo, hi in zip(bounds, bounds[1:])):
+            self.chunks = self.result = self.ttft_s = None
+            self.text.value = "the boundaries must increase from left to right: every rank needs at least one token"
+            return
+        self.chunks = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+        self.result = simulate_prefill(self.cfg, self.chunks, "kvr", self.cost_model)
+        self.ttft_s = self.result.ttft_s
+        self.even_ttft_s = simulate_prefill(self.cfg, even_partition(self.context, len(self.chunks)), "kvr",
+                                            self.cost_model, record_events=False).ttft_s
+        finish = ", ".join(f"{1e3 * t:.1f}" for t in self.result.per_rank_finish_s)
+        self.text.value = (f"chunks {self.chunks}: simulated TTFT {1e3 * self.ttft_s:.2f} ms "
+                           f"({self.even_ttft_s / self.ttft_s:.3f}x the speed of the even split, "
+                           f"{1e3 * self.even_ttft_s:.2f} ms)<br>ranks finish at {finish} ms")
+        if self.plot:
+            self._show(viz.plot_timeline(self.result.events, show_layers=False,
+                                         title=f"simulated KVR timeline, chunks {self.chunks}"))
+
+
+class NetworkExplorer(_Explorer):
+    """Bandwidth, context and processes -> simulated TTFT of one process, TSP and KVR (even split).
+
+    cfg, cost_model: the model shape and the ``CostModel`` whose link
+    bandwidth the slider replaces (GB/s = 1e9 bytes/s). Everything shown is
+    simulated. Kept as attributes: ``times_s`` (method -> seconds) and
+    ``speedup`` (method -> one process's TTFT / the method's).
+    """
+
+    def __init__(self, cfg, cost_model, context: int = 4096, bandwidth_gbps: float = 10.0, world_size: int = 2,
+                 plot: bool = True):
+        super().__init__(plot)
+        self.cfg, self.cost_model = cfg, cost_model
+        self.bandwidth = W.FloatLogSlider(bandwidth_gbps, base=10, min=-2, max=3, step=0.1,
+                                          description="link (GB/s)", **_SLIDER)
+        self.context = W.IntSlider(context, min=64, max=cfg.max_context, step=64, description="context (tokens)",
+                                   **_SLIDER)
+        self.world_size = W.IntSlider(world_size, min=2, max=8, description="processes p", **_SLIDER)
+        self._observe(self.bandwidth, self.context, self.world_size)
+        self.widget = W.VBox([self.bandwidth, self.context, self.world_size, self.text, self.out])
+        self.update()
+
+    def update(self) -> None:
+        from .partition import even_partition
+        from .simulate import simulate_prefill
+
+        cm = self.cost_model.with_(link_bandwidth_bytes_per_s=self.bandwidth.value * 1e9)
+        C, p = self.context.value, self.world_size.value
+        even = even_partition(C, p)
+        self.times_s = {
+            "one process": simulate_prefill(self.cfg, [C], "single", cm, record_events=False).ttft_s,
+            f"TSP, p={p}": simulate_prefill(self.cfg, even, "tsp", cm, record_events=False).ttft_s,
+            f"KVR-E, p={p}": simulate_prefill(self.cfg, even, "kvr", cm, record_events=False).ttft_s}
+        single = self.times_s["one process"]
+        self.speedup = {k: single / t for k, t in self.times_s.items()}
+        self.text.value = "simulated: " + "; ".join(f"{k} {1e3 * t:.2f} ms ({self.speedup[k]:.2f}x)"
+                                                    for k, t in self.times_s.items())
+        if self.plot:
+            self._show(viz.plot_bars({k: 1e3 * t for k, t in self.times_s.items()}, ylabel="TTFT (ms)",
+                                     title=f"simulated, {C} tokens, {self.bandwidth.value:.3g} GB/s links"))

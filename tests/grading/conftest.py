@@ -1,8 +1,12 @@
 """Fixtures of the graded tests.
 
-The tests reach exercise code only through ``toyllm.grading.load_exercise``,
-so ``TOYLLM_IMPL`` (or ``--impl``) decides whether they check the stubs in
-``exercises/``, the model answers in ``solutions/`` or a student's folder.
+The tests reach exercise code only through the ``exNN`` fixtures here
+(``toyllm.grading.load_exercise``), so ``TOYLLM_IMPL`` (or ``--impl``)
+decides whether they check the stubs in ``exercises/``, the model answers in
+``solutions/`` or a student's folder. Under the grader the fixture gives a
+proxy whose functions run in the sandbox process; in a plain pytest run, the
+module itself, wrapped so the same rules apply (the exercise's ``FORBIDDEN``
+functions, the model answers standing in for the lesson's other exercises).
 Loading happens inside a fixture: a submission that does not even import
 fails its tests one by one instead of breaking collection.
 
@@ -11,14 +15,15 @@ Every test here carries ``@pytest.mark.exercise("N.M")`` and
 """
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass
+import ast
+import os
 
 import pytest
 import torch
 
 from toyllm import build_model
 from toyllm.grading import load_exercise
+from toyllm.grading.sandbox import SANDBOX_ENV, LocalModule
 
 
 @pytest.fixture(autouse=True)
@@ -30,29 +35,27 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture
-def ex01():
-    return load_exercise("ex01")
+def submission(name: str):
+    """The current implementation's module ``name`` ("ex01") as the graded tests must use it."""
+    if os.environ.get(SANDBOX_ENV) == "1":
+        return load_exercise(name)                      # a proxy: the code runs in the sandbox
+    try:
+        reference = load_exercise(name, impl="solutions")
+    except ValueError:
+        reference = None
+    return LocalModule(load_exercise(name), reference)
 
 
-@pytest.fixture
-def ex02():
-    return load_exercise("ex02")
+def _fixture(name: str):
+    @pytest.fixture(name=name)
+    def get():
+        return submission(name)
+    return get
 
 
-@pytest.fixture
-def ex03():
-    return load_exercise("ex03")
-
-
-@pytest.fixture
-def ex04():
-    return load_exercise("ex04")
-
-
-@pytest.fixture
-def ex05():
-    return load_exercise("ex05")
+# ex01 ... ex09: one fixture per lesson, named like the exercise files.
+for _n in range(1, 10):
+    globals()[f"ex{_n:02d}"] = _fixture(f"ex{_n:02d}")
 
 
 # toyllm's own answers to the engine exercises of lessons 04-05: a step naming one scores nothing.
@@ -62,26 +65,28 @@ ENGINE_ATOL = 1e-4      # float32 logits: the ranks sum the same products in ano
 
 
 def _assert_independent(fn, exercise: str, forbidden: set[str] = ENGINE_STEPS) -> None:
-    """Fail with a clear message when ``fn``'s source names one of toyllm's own implementations.
+    """Fail when the source of submitted function ``fn`` names one of toyllm's own implementations.
 
-    A submission must do the work itself: calling the library's answer to the
-    exercise (for example ``toyllm.parallel.tsp_layer`` inside Exercise 4.2)
-    scores nothing. Helpers the exercise hands in (``layer``, ``comm``) are fine.
+    For code that runs where the runtime guard (``FORBIDDEN``) cannot see it,
+    such as a per-layer step inside the parallel engine's worker processes.
+    The source is read by the grader from the submitted file, never asked of
+    the submission.
     """
-    import ast
-    import textwrap
-
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):
+    path = getattr(fn, "source_file", None)
+    if path is None:
         return
-    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-    used |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
-    used |= {a.name.rpartition(".")[2] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+    tree = ast.parse(path.read_text())
+    node = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and n.name == fn.__name__), None)
+    if node is None:
+        return
+    used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+    used |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+    used |= {a.name.rpartition(".")[2] for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom))
              for a in n.names}
     named = sorted(used & forbidden)
-    assert not named, (f"Exercise {exercise}: {fn.__name__} calls toyllm's own {', '.join(named)}; "
-                       "write the steps yourself (this exercise scores 0 otherwise)")
+    assert not named, (f"Exercise {exercise} must be your own code, but {fn.__name__} calls toyllm's own "
+                       f"{', '.join(named)}: this exercise scores 0")
 
 
 def _root_cause(error: Exception) -> str:
@@ -91,14 +96,16 @@ def _root_cause(error: Exception) -> str:
 
 
 @pytest.fixture
-def engine_run(pools):
+def engine_run():
     """``engine_run(step, "4.2", "tsp", p, chunks, seed=..., spec=..., decode=...)`` -> (result, one-process cache).
 
     Checks that ``step`` is the student's own, runs it inside the real engine
-    on p gloo processes (a crash, a wrong shape or a deadlock fails within 20 s)
-    and compares the first-token logits with the one-process forward pass.
+    on p gloo processes started from the submission's side (a crash, a wrong
+    shape or a deadlock fails within 20 s) and compares the first-token
+    logits with the one-process forward pass, computed here.
     """
-    from toyllm.parallel import ModelSpec, parallel_prefill, single_prefill
+    from toyllm.grading import sandboxed
+    from toyllm.parallel import ModelSpec, single_prefill
     from toyllm.utils import random_prompt
 
     def run(step, exercise, method, p, chunks, *, seed=0, spec=None, decode=0):
@@ -106,10 +113,10 @@ def engine_run(pools):
         spec = spec or ModelSpec("tiny")
         ids = random_prompt(sum(chunks), 256, seed)
         ref_logits, ref_cache = single_prefill(spec.build(), ids)
-        where = f"{step.__name__} in the engine, p={p}, chunks {chunks}"
+        where = f"Exercise {exercise}, {step.__name__} in the engine, p={p}, chunks {chunks}"
         try:
-            got = parallel_prefill(spec, ids, method, p, chunks, step=step, pool=pools(p), warmup=0,
-                                   return_cache=True, decode_tokens=decode, timeout_s=20)
+            got = sandboxed("toyllm.grading.harness:parallel_prefill", spec, ids, method, p, chunks, step=step,
+                            warmup=0, return_cache=True, decode_tokens=decode, timeout_s=20)
         except Exception as e:
             pytest.fail(f"{where}: the run failed: {_root_cause(e)}")
         diff = (got.logits - ref_logits).abs().max().item()
@@ -120,61 +127,7 @@ def engine_run(pools):
     return run
 
 
-@pytest.fixture(scope="module")
-def pools():
-    """``pools(p)``: a WorkerPool of p one-thread processes, shared by a module's tests and
-    replaced when a test's deadlock or crash closed it."""
-    from toyllm.launch import WorkerPool
-
-    made = {}
-
-    def get(p):
-        if p not in made or made[p].closed:
-            made[p] = WorkerPool(p, timeout_s=60)
-        return made[p]
-
-    yield get
-    for pool in made.values():
-        pool.close()
-
-
 @pytest.fixture
 def tiny_model():
     """A fresh, seeded copy of the "tiny" preset per test (exercises may swap its attention)."""
     return build_model("tiny", seed=0)
-
-
-@dataclass
-class ForwardCall:
-    ids: list[int]            # token ids of batch row 0 fed in this call
-    input_pos: int | None
-    cache: object | None
-    cache_length: int         # tokens the cache held before the call (0 without a cache)
-
-
-@pytest.fixture
-def forward_calls():
-    """``forward_calls(model)`` starts recording every forward pass of ``model`` into the list it returns.
-
-    It replaces ``model.forward`` on the instance, so both ``model(ids)``
-    and ``model.forward(ids)`` are seen, whatever mix of positional and
-    keyword arguments the code under test uses.
-    """
-    def attach(model) -> list[ForwardCall]:
-        calls: list[ForwardCall] = []
-        original = model.forward
-        signature = inspect.signature(original)
-
-        def recording_forward(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            a = bound.arguments
-            cache = a["cache"]
-            calls.append(ForwardCall(ids=a["ids"][0].tolist(), input_pos=a["input_pos"], cache=cache,
-                                     cache_length=cache.length if cache is not None else 0))
-            return original(*args, **kwargs)
-
-        model.forward = recording_forward
-        return calls
-
-    return attach

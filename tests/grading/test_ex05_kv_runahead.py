@@ -8,8 +8,14 @@ import re
 
 import pytest
 
+from toyllm.grading.expect import raises
 from toyllm.parallel import ModelSpec
 from toyllm.utils import random_prompt
+
+FORBIDDEN = {   # toyllm's own answers to the counting exercises: calling them scores 0
+    "5.3": ["toyllm.partition:dot_products", "toyllm.partition:kv_rows_sent", "toyllm.partition:net_kvr_even"],
+    "5.4": ["toyllm.partition:ttft_lower_bound"],
+}
 
 
 # --------------------------------------------------------------------------- 5.1
@@ -91,8 +97,7 @@ def test_ex5_3_other_partitions_and_bad_input(ex05):
     got = ex05.kvr_counts([1, 5, 2, 2])
     assert got == ([1, 30, 16, 20], 2 * (1 + 6 + 8)), f"kvr_counts([1, 5, 2, 2]): expected ([1, 30, 16, 20], 30), got {got!r}"
     for bad in ([], [3, 0]):
-        with pytest.raises(ValueError):
-            ex05.kvr_counts(bad)
+        raises(ValueError, ex05.kvr_counts, bad, call=f"kvr_counts({bad!r})", why="every rank needs at least one token")
 
 
 # --------------------------------------------------------------------------- 5.4
@@ -103,6 +108,6 @@ def test_ex5_4_lower_bound(ex05):
     cases = {(12.0, 1): 12.0, (12.0, 2): 4.5, (8.0, 4): 1.25, (3.0, 3): 2 / 3}
     for (t, p), expected in cases.items():
         got = ex05.ttft_lower_bound(t, p)
-        assert got == pytest.approx(expected, rel=1e-12), f"ttft_lower_bound({t}, p={p}): expected {expected}, got {got!r}"
-    with pytest.raises(ValueError):
-        ex05.ttft_lower_bound(1.0, 0)
+        assert type(got) is float and got == pytest.approx(expected, rel=1e-12), f"ttft_lower_bound({t}, p={p}): expected {expected}, got {got!r}"
+    raises(ValueError, ex05.ttft_lower_bound, 1.0, 0, call="ttft_lower_bound(1.0, world_size=0)",
+           why="a world needs at least one process")

@@ -7,6 +7,7 @@ import sys
 
 from .course import course_root
 from .grader import GradingError, grade
+from .sandbox import DEFAULT_MEMORY_MB
 from .stubs import sync
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also write the Gradescope-format results to this file (default: none)")
     parser.add_argument("--timeout", type=float, default=20, metavar="S",
                         help="seconds after which one test fails as timed out (default: 20)")
+    parser.add_argument("--memory-mb", type=int, default=DEFAULT_MEMORY_MB, metavar="MB",
+                        help=f"address-space limit of the submission's process (default: {DEFAULT_MEMORY_MB})")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -33,7 +36,7 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         report = grade(args.impl, only=only, extra_tests=args.extra_tests, results_path=args.results,
-                       per_test_timeout_s=args.timeout, verbose=True)
+                       per_test_timeout_s=args.timeout, verbose=True, memory_limit_mb=args.memory_mb)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,19 +1,25 @@
-"""The grader: one pytest process per lesson, every test all of its points or none.
+"""The grader: one trusted pytest process per lesson, every test all of its points or none.
 
 Graded tests live in ``tests/grading/test_exNN_*.py`` and carry
 ``@pytest.mark.exercise("N.M")`` and ``@pytest.mark.points(P)``. ``grade()``
-runs pytest in one subprocess per lesson, so a submission that kills its
-interpreter (``os._exit``, a segfault) only loses that lesson's unfinished
-tests, and a per-test timeout stops infinite loops. The result is a table
-per exercise and, if asked, a ``results.json`` in the Gradescope format.
-Instructors add hidden tests with ``extra_tests=DIR`` (same markers).
+copies them (and the instructor's hidden tests) into a private folder and
+runs pytest there, one process per lesson. The submission never runs in
+that process: its functions run in a sandbox process (``sandbox.py``) that
+cannot read the tests, the log or the results. A call that hangs or
+crashes costs the test that made it; a broken independence rule costs the
+whole exercise. The result is a table per exercise and, if asked, a
+``results.json`` in the Gradescope format. Instructors add hidden tests
+with ``extra_tests=DIR`` (same markers).
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -23,7 +29,9 @@ from pathlib import Path
 
 from .course import course_root, grading_tests_dir
 from .impl import IMPL_ENV, NAMED_IMPLS, current_impl, resolve_impl
+from .course import COURSE_ENV, solutions_dir
 from .plugin import _EXERCISE_ID, _EXERCISES_ENV, _LESSON_ENV, _LOG_ENV
+from .sandbox import DEFAULT_MEMORY_MB, MEMORY_ENV, SANDBOX_ENV, TIMEOUT_ENV, HIDE_ENV, _namespaces_work, _sandbox_user, isolation
 
 
 
@@ -52,6 +60,7 @@ class GradeReport:
     impl: str
     tests: list[TestResult] = field(default_factory=list)
     execution_time_s: float = 0.0
+    isolation: str = ""        # who ran the submission (sandbox.isolation())
 
     @property
     def score(self) -> float:
@@ -80,7 +89,8 @@ class GradeReport:
 
     def table(self) -> str:
         """A plain-text table: one row per exercise, a subtotal per lesson, the total, then what failed."""
-        lines = [f"implementation: {self.impl}", f"{'exercise':<10}{'score':>8}{'max':>6}  tests passed"]
+        lines = [f"implementation: {self.impl}", *([self.isolation] if self.isolation else []),
+                 f"{'exercise':<10}{'score':>8}{'max':>6}  tests passed"]
         exercises = self.by_exercise()
         for lesson, (lesson_score, lesson_max) in self.by_lesson().items():
             for ex, (s, m) in exercises.items():
@@ -121,8 +131,12 @@ class GradeReport:
         }
 
     def write(self, path: str | os.PathLike) -> Path:
+        """Write results.json atomically: a new file replaces whatever was there (even a file someone else made)."""
         path = Path(path)
-        path.write_text(json.dumps(self.to_gradescope(), indent=2) + "\n")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".results-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(self.to_gradescope(), indent=2) + "\n")
+        os.replace(tmp, path)
         return path
 
 
@@ -156,7 +170,8 @@ def _lesson_files(folder: Path) -> dict[int, Path]:
 
 def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = None,
           extra_tests: str | os.PathLike | None = None, results_path: str | os.PathLike | None = None,
-          per_test_timeout_s: float = 20, verbose: bool = False) -> GradeReport:
+          per_test_timeout_s: float = 20, verbose: bool = False,
+          memory_limit_mb: int = DEFAULT_MEMORY_MB) -> GradeReport:
     """Run the graded tests against ``impl`` and score them.
 
     impl: "exercises", "solutions" or a folder with a student's exNN_*.py files.
@@ -167,12 +182,18 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
     results_path: where to write the Gradescope results.json (None: don't).
     per_test_timeout_s: seconds after which a test fails as timed out.
     verbose: print one progress line per lesson.
+    memory_limit_mb: address-space limit of the submission's process (MiB).
 
-    One pytest subprocess per lesson. A test whose process died before the
-    test finished scores 0 with status "crashed".
+    One pytest subprocess per lesson, one sandbox process for the
+    submission beside it. A test whose call crashed the submission's process
+    scores 0 with status "crashed"; one whose call did not return in time,
+    status "timeout".
     """
     if per_test_timeout_s <= 0:
         raise ValueError(f"per_test_timeout_s must be positive seconds, got {per_test_timeout_s}")
+    if memory_limit_mb < 1024:
+        raise ValueError(f"memory_limit_mb must be at least 1024 (torch alone maps hundreds of MiB), "
+                         f"got {memory_limit_mb}")
     impl_dir = resolve_impl(impl)
     impl_env = str(impl) if str(impl) in NAMED_IMPLS else str(impl_dir)
     extra_dir = None
@@ -180,6 +201,9 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
         extra_dir = Path(extra_tests).expanduser().resolve()
         if not extra_dir.is_dir():
             raise ValueError(f"extra tests folder {str(extra_tests)!r} does not exist")
+        if _sandbox_user() is not None and not _namespaces_work() and _open_to_others(extra_dir):
+            raise ValueError(f"the hidden tests in {extra_dir} can be read by every user, so also by the "
+                             f"submission (it runs as an unprivileged user): chmod -R o-rwx {extra_dir}")
     local = _lesson_files(grading_tests_dir())
     wanted, only_exercises = None, {}
     if only is not None:
@@ -208,15 +232,19 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
     if not pending:
         raise GradingError(f"no graded tests found in {grading_tests_dir()}")
 
-    report = GradeReport(impl=impl_env)
+    report = GradeReport(impl=impl_env, isolation=isolation())
     start = time.perf_counter()
     done: set[int] = set()
-    with tempfile.TemporaryDirectory(prefix="toyllm-grade-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="toyllm-grade-") as tmp:      # mode 0700: the grader's alone
+        tmp = Path(tmp)
+        private_local, private_extra = _private_copy_of_tests(tmp, extra_dir)
+        settings = dict(impl_env=impl_env, timeout_s=per_test_timeout_s, tmp=tmp, memory_mb=memory_limit_mb,
+                        extra_dir_original=extra_dir)
         while pending:
             lesson = pending.pop(0)
-            files = [local[lesson]] if lesson in local else []
-            results, seen_lessons = _run_lesson(lesson, files, extra_dir, impl_env, per_test_timeout_s, Path(tmp),
-                                                only_exercises.get(lesson))
+            files = [private_local / local[lesson].name] if lesson in local else []
+            results, seen_lessons = _run_lesson(lesson, files, private_extra, exercises=only_exercises.get(lesson),
+                                                **settings)
             done.add(lesson)
             report.tests.extend(results)
             # Hidden tests may name a lesson without a local test file: give it its own run too.
@@ -259,20 +287,57 @@ def _graded_exercise_ids(files) -> set[str]:
     return ids
 
 
-def _run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env: str,
-                timeout_s: float, tmp: Path, exercises: set[str] | None = None) -> tuple[list[TestResult], set[int]]:
+def _open_to_others(folder: Path) -> bool:
+    """True when users other than the owner can reach ``folder``'s files (every parent and it are o+x)."""
+    for part in (folder, *folder.parents):
+        if not part.stat().st_mode & stat.S_IXOTH:
+            return False
+    return True
+
+
+def _private_copy_of_tests(tmp: Path, extra_dir: Path | None) -> tuple[Path, Path | None]:
+    """Copy the graded tests (and hidden ones) into the grader's own folder: what runs cannot be swapped."""
+    source = grading_tests_dir()
+    local = tmp / "tests" / "grading"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(source, local, ignore=ignore)
+    shared = source.parent / "conftest.py"              # tests/conftest.py: fixtures the graded tests share
+    if shared.is_file():
+        shutil.copyfile(shared, tmp / "tests" / "conftest.py")
+    private_extra = None
+    if extra_dir is not None:
+        private_extra = tmp / "hidden"
+        shutil.copytree(extra_dir, private_extra, ignore=ignore)
+    return local, private_extra
+
+
+def _end_with_parent() -> None:
+    """In the pytest child, before exec: die if the grader dies (a SIGKILL to it leaves nothing behind)."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)       # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env: str, timeout_s: float,
+                tmp: Path, memory_mb: int, exercises: set[str] | None = None,
+                extra_dir_original: Path | None = None) -> tuple[list[TestResult], set[int]]:
     """One pytest subprocess for one lesson; returns its results and every lesson its collection saw."""
     log = tmp / f"ex{lesson:02d}.jsonl"
     out = tmp / f"ex{lesson:02d}.out"
     cmd = [sys.executable, "-m", "pytest", *map(str, files), *([str(extra_dir)] if extra_dir else []),
            "-p", "toyllm.grading.plugin", "-p", "no:cacheprovider", f"--timeout={timeout_s:g}", "-q", "--no-header",
-           "--import-mode=importlib", f"--rootdir={course_root()}", "-o", "console_output_style=classic"]
+           "--import-mode=importlib", f"--rootdir={tmp}", "-c", os.devnull, "-o", "console_output_style=classic"]
     env = dict(os.environ, **{IMPL_ENV: impl_env, _LOG_ENV: str(log), _LESSON_ENV: str(lesson),
                               _EXERCISES_ENV: ",".join(sorted(exercises or ())), "PYTHONHASHSEED": "0",
-                              "PYTHONDONTWRITEBYTECODE": "1"})   # no __pycache__ beside a submission
+                              "PYTHONDONTWRITEBYTECODE": "1",      # no __pycache__ beside a submission
+                              COURSE_ENV: str(course_root()), SANDBOX_ENV: "1", TIMEOUT_ENV: f"{timeout_s:g}",
+                              MEMORY_ENV: str(memory_mb),
+                              HIDE_ENV: os.pathsep.join(str(p) for p in (grading_tests_dir().parent, extra_dir_original,
+                                                                         tmp) if p is not None)})
     with open(out, "wb") as sink:
-        proc = subprocess.Popen(cmd, cwd=course_root(), env=env, stdout=sink, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_end_with_parent)
         try:
             # Tests that start worker processes carry their own, longer timeout marks: give them room.
             stalled = _watch(proc, log, timeout_s + 90)
@@ -291,6 +356,10 @@ def _run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env
     for e in events:
         if e["event"] == "report":
             phases.setdefault(e["nodeid"], {})[e["when"]] = e
+    violated = {}
+    for e in events:
+        if e["event"] == "violation":
+            violated.setdefault(e["exercise"], e["message"])
     results = []
     first_crash = True
     for item in items:
@@ -298,7 +367,10 @@ def _run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env
             continue
         started = item["nodeid"] in phases
         status, output = _outcome(phases.get(item["nodeid"], {}))
-        if status == "crashed":
+        if item["exercise"] in violated:                 # the independence rule costs the whole exercise
+            status, output = "failed", violated[item["exercise"]]
+        if status == "died":
+            status = "crashed"
             if stalled and started:
                 status = "timeout"
                 output = f"stopped: the test process made no progress for {stalled:.0f} s and was killed"
@@ -311,7 +383,7 @@ def _run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env
             else:
                 output = "crashed: not run, the test process had died during an earlier test"
             first_crash = False
-        hidden = extra_dir is not None and Path(item["path"]).is_relative_to(extra_dir)
+        hidden = extra_dir is not None and Path(item["path"]).resolve().is_relative_to(extra_dir.resolve())
         name = f"Exercise {item['exercise']}: {item['name']}" + (" (hidden)" if hidden else "")
         results.append(TestResult(name=name, nodeid=item["nodeid"], exercise=item["exercise"],
                                   score=item["points"] if status == "passed" else 0, max_score=item["points"],
@@ -366,21 +438,32 @@ def _read_log(log: Path) -> list[dict]:
     return events
 
 
+def _classify(message: str, default: str) -> tuple[str, str]:
+    """(status, message a student can act on) of a failed phase."""
+    for prefix in ("AssertionError: ", "Failed: ", "toyllm.grading.guard.IndependenceError: "):
+        message = message.removeprefix(prefix)
+    for name, status in (("SubmissionTimeout", "timeout"), ("SubmissionCrash", "crashed"),
+                         ("SubmissionError", default)):
+        prefix = f"toyllm.grading.sandbox.{name}: "
+        if message.startswith(prefix):
+            return status, message.removeprefix(prefix)
+    if "Timeout (>" in message:
+        return "timeout", message
+    return default, message
+
+
 def _outcome(phases: dict[str, dict]) -> tuple[str, str]:
     setup, call, teardown = phases.get("setup"), phases.get("call"), phases.get("teardown")
     if setup and setup["outcome"] == "failed":
-        return "error", setup["message"]
+        return _classify(setup["message"], "error")
     if setup and setup["outcome"] == "skipped":
         return "skipped", "skipped: " + setup["message"]
     if call is None or teardown is None:
-        return "crashed", ""
+        return "died", ""                    # the test process itself ended during this test
     if call["outcome"] == "failed":
-        timeout = "Timeout (>" in call["message"]
-        return ("timeout" if timeout else "failed"), call["message"]
+        return _classify(call["message"], "failed")
     if call["outcome"] == "skipped":
         return "skipped", "skipped: " + call["message"]
     if teardown["outcome"] == "failed":
         return "error", teardown["message"]
     return "passed", "passed"
-
-

@@ -79,9 +79,17 @@ def load_exercise(name: str, impl: str | os.PathLike | None = None) -> ModuleTyp
     exercise code, so that one switch decides whose code runs.
 
     The file is imported from its path (no change to ``sys.path``) under a
-    private module name. A file edited since its last load is loaded again,
-    so re-running a notebook cell picks up your latest code.
+    private module name. While the grader runs, the current implementation
+    is never imported into the grader's process: you get a proxy whose
+    functions run in the sandbox (``toyllm.grading.sandbox``). A file
+    edited since its last load is loaded again, so re-running a notebook
+    cell picks up your latest code.
     """
+    if impl is None and os.environ.get("TOYLLM_GRADE_SANDBOX") == "1":
+        # Inside the grader: the submission runs in the sandbox process, never here (see sandbox.py).
+        from .sandbox import remote_module
+
+        return remote_module(name)
     path = _exercise_file(resolve_impl(impl), name)
     stat = path.stat()
     stamp = (stat.st_mtime_ns, stat.st_size)

@@ -1,0 +1,258 @@
+"""Graded tests of lesson 06 (ex06_partition_search): 10 points.
+
+6.1 search_boundary 3, 6.2 grid_search 3, 6.3 interpolate_partition 2, 6.4 fit_cost_model 2.
+The searches run against cost functions whose best partition is known
+(``toyllm.grading.harness``: ``kink_cost``, ``bowl_cost``) and against
+toyllm's simulator, with a limit on the distinct partitions they may try,
+so that trying every partition does not pass as a search. References live
+here: brute force over the same cost function, the rounding and the least
+squares written out below. Cost functions cross to the submission as
+``functools.partial`` of module-level functions.
+"""
+import functools
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from toyllm.grading import sandboxed
+from toyllm.grading import harness
+from toyllm.grading.expect import close, equal, raises
+from toyllm.model import get_config
+from toyllm.simulate import CostModel
+
+FORBIDDEN = {   # toyllm's own answers to these exercises: calling them scores 0
+    "6.1": ["toyllm.partition:search_boundary_1d", "toyllm.partition:search_partition",
+            "toyllm.partition:hierarchical_grid_search", "toyllm.partition:exhaustive_search"],
+    "6.2": ["toyllm.partition:hierarchical_grid_search", "toyllm.partition:search_partition",
+            "toyllm.partition:exhaustive_search", "toyllm.partition:search_boundary_1d"],
+    "6.3": ["toyllm.partition:PartitionTable", "toyllm.partition:partition_from_ratios"],
+    "6.4": ["toyllm.simulate:CostModel.calibrate"],
+}
+
+BENCH = get_config("bench")
+CPU_LIKE = CostModel(qkv_s_per_token=4e-6, mlp_s_per_token=8e-6, attn_s_per_dot=2e-9, layer_overhead_s=1e-4,
+                     link_bandwidth_bytes_per_s=3e9, link_latency_s=5e-5, label="test values")
+
+
+def run_search(fn, cost, *args, **kwargs):
+    """(the search's answer, the distinct partitions it asked the cost of)."""
+    out = sandboxed("toyllm.grading.harness:counted", fn, cost, *args, **kwargs)
+    return out["value"], {tuple(c) for c in out["calls"]}
+
+
+def check_chunks(got, context: int, p: int, call: str) -> None:
+    if type(got) is not list or len(got) != p or any(type(c) is not int for c in got):
+        raise AssertionError(f"{call}: expected a list of {p} Python ints, got {got!r}")
+    if sum(got) != context or min(got) < 1:
+        raise AssertionError(f"{call}: {got} is not a partition of {context} tokens (every chunk >= 1, sum {context})")
+
+
+# --------------------------------------------------------------------------- 6.1
+
+@pytest.mark.exercise("6.1")
+@pytest.mark.points(1)
+def test_ex6_1_finds_a_known_best_split_with_few_evaluations(ex06):
+    for context, best in [(10_000, 6173), (4096, 17), (3001, 2990)]:
+        cost = functools.partial(harness.kink_cost, best=best)
+        call = f"search_boundary(cost lowest at c_0 = {best}, context={context})"
+        got, tried = run_search(ex06.search_boundary, cost, context)
+        check_chunks(got, context, 2, call)
+        equal(got, [best, context - best], call)
+        assert len(tried) <= 100, (f"{call}: tried {len(tried)} different partitions; a search needs at most "
+                                   f"100 here (trying all {context - 1} is not a search)")
+
+
+@pytest.mark.exercise("6.1")
+@pytest.mark.points(1)
+def test_ex6_1_only_multiples_of_min_stride(ex06):
+    for context, best, stride in [(5000, 2345, 64), (777, 100, 10), (4096, 3000, 512)]:
+        cost = functools.partial(harness.kink_cost, best=best, left=1.0, right=2.0)
+        expected_b = min(range(stride, context, stride), key=lambda b: cost([b, context - b]))
+        call = f"search_boundary(cost lowest at c_0 = {best}, context={context}, min_stride={stride})"
+        got, tried = run_search(ex06.search_boundary, cost, context, min_stride=stride)
+        check_chunks(got, context, 2, call)
+        equal(got, [expected_b, context - expected_b], call)
+        off = sorted(c[0] for c in tried if c[0] % stride)
+        assert not off, f"{call}: tried boundaries that are not multiples of {stride}: {off[:5]}"
+    raises(ValueError, ex06.search_boundary, functools.partial(harness.kink_cost, best=1), 1,
+           call="search_boundary(cost, context=1)", why="two processes need 2 tokens")
+    raises(ValueError, ex06.search_boundary, functools.partial(harness.kink_cost, best=1), 100, min_stride=0,
+           call="search_boundary(cost, 100, min_stride=0)", why="min_stride must be at least 1")
+
+
+@pytest.mark.exercise("6.1")
+@pytest.mark.points(1)
+def test_ex6_1_on_the_simulator(ex06):
+    context, stride = 2048, 8
+    cost = functools.partial(harness.simulated_ttft, cfg=BENCH, cost_model=CPU_LIKE)
+    best = min(cost([b, context - b]) for b in range(stride, context, stride))
+    call = f"search_boundary(simulated TTFT of the bench preset, context={context}, min_stride={stride})"
+    got, tried = run_search(ex06.search_boundary, cost, context, min_stride=stride)
+    check_chunks(got, context, 2, call)
+    close(cost(got), best, f"{call}: simulated TTFT of your split {got}", rel=1e-9)
+    assert len(tried) <= 60, f"{call}: tried {len(tried)} partitions, more than the 60 allowed"
+
+
+# --------------------------------------------------------------------------- 6.2
+
+def even_boundaries(context, p):
+    return [j * context // p for j in range(1, p)]
+
+
+@pytest.mark.exercise("6.2")
+@pytest.mark.points(1)
+def test_ex6_2_three_processes_known_best(ex06):
+    context, optimum = 960, [390, 210, 360]
+    cost = functools.partial(harness.bowl_cost, optimum=optimum)
+    call = f"grid_search(cost lowest at {optimum}, context={context}, world_size=3, stride=32)"
+    got, tried = run_search(ex06.grid_search, cost, context, 3, 32)
+    check_chunks(got, context, 3, call)
+    equal(got, optimum, call)
+    assert len(tried) <= 300, f"{call}: tried {len(tried)} partitions; the grid search needs at most 300 here"
+    even = [hi - lo for lo, hi in zip([0, *even_boundaries(context, 3)], [*even_boundaries(context, 3), context])]
+    assert tuple(even) in tried, f"{call}: never evaluated the even split {even}, where the search starts"
+
+
+@pytest.mark.exercise("6.2")
+@pytest.mark.points(1)
+def test_ex6_2_four_processes_and_span_one(ex06):
+    context, optimum = 1000, [300, 260, 240, 200]
+    cost = functools.partial(harness.bowl_cost, optimum=optimum)
+    call = f"grid_search(cost lowest at {optimum}, context={context}, world_size=4, stride=16)"
+    got, tried = run_search(ex06.grid_search, cost, context, 4, 16)
+    check_chunks(got, context, 4, call)
+    equal(got, optimum, call)
+    assert len(tried) <= 1500, f"{call}: tried {len(tried)} partitions; the grid search needs at most 1500 here"
+    # span=1: 3 values per boundary and level; the optimum is within reach, 8 + 4 + 2 + 1 tokens of the even split
+    optimum = [238, 272, 240, 250]
+    cost = functools.partial(harness.bowl_cost, optimum=optimum)
+    call = f"grid_search(cost lowest at {optimum}, context={context}, world_size=4, stride=8, span=1)"
+    got, tried = run_search(ex06.grid_search, cost, context, 4, 8, span=1)
+    check_chunks(got, context, 4, call)
+    equal(got, optimum, call)
+    assert len(tried) <= 4 * 27, f"{call}: tried {len(tried)} partitions; 4 levels of 27 points is the most"
+    raises(ValueError, ex06.grid_search, cost, 100, 1, 8, call="grid_search(cost, 100, world_size=1, stride=8)",
+           why="a search needs at least 2 processes")
+    raises(ValueError, ex06.grid_search, cost, 3, 4, 1, call="grid_search(cost, context=3, world_size=4, stride=1)",
+           why="every process needs a token")
+    raises(ValueError, ex06.grid_search, cost, 100, 3, 0, call="grid_search(cost, 100, 3, stride=0)",
+           why="stride must be at least 1")
+
+
+@pytest.mark.exercise("6.2")
+@pytest.mark.points(1)
+def test_ex6_2_on_the_simulator(ex06):
+    context, p = 512, 3
+    cost = functools.partial(harness.simulated_ttft, cfg=BENCH, cost_model=CPU_LIKE)
+    reference = min(cost([a, b - a, context - b]) for a, b in itertools.combinations(range(4, context, 4), 2))
+    call = f"grid_search(simulated TTFT of the bench preset, context={context}, world_size={p}, stride=16)"
+    got, tried = run_search(ex06.grid_search, cost, context, p, 16)
+    check_chunks(got, context, p, call)
+    value = cost(got)
+    assert value <= reference * 1.001, (f"{call}: your partition {got} gives a simulated TTFT of {value:.6g} s; "
+                                        f"the best on a 4-token grid gives {reference:.6g} s")
+    assert len(tried) <= 400, f"{call}: tried {len(tried)} partitions, more than the 400 allowed"
+
+
+# --------------------------------------------------------------------------- 6.3
+
+def reference_partition(table, context):
+    keys = sorted(table)
+    if context <= keys[0]:
+        r = table[keys[0]]
+    elif context >= keys[-1]:
+        r = table[keys[-1]]
+    else:
+        hi = min(k for k in keys if k >= context)
+        lo = max(k for k in keys if k < context)
+        t = (context - lo) / (hi - lo)
+        r = [(1 - t) * a + t * b for a, b in zip(table[lo], table[hi])]
+    shares = [context * x / sum(r) for x in r]
+    chunks = [math.floor(s) for s in shares]
+    for i in sorted(range(len(r)), key=lambda i: -(shares[i] - chunks[i]))[:context - sum(chunks)]:
+        chunks[i] += 1
+    for i in range(len(r)):
+        while chunks[i] < 1:
+            donor = chunks.index(max(chunks))
+            chunks[donor] -= 1
+            chunks[i] += 1
+    return chunks
+
+
+@pytest.mark.exercise("6.3")
+@pytest.mark.points(1)
+def test_ex6_3_the_papers_example_and_between_entries(ex06):
+    # Entries whose midpoint is the paper's 10k result on 4 processes: [0.350, 0.255, 0.210, 0.185].
+    table = {8192: [0.36, 0.26, 0.21, 0.17], 12288: [0.34, 0.25, 0.21, 0.20]}
+    for context in (10240, 9000, 12000, 8193):
+        call = f"interpolate_partition({table}, {context})"
+        got = ex06.interpolate_partition(table, context)
+        check_chunks(got, context, 4, call)
+        equal(got, reference_partition(table, context), call)
+    table3 = {1000: [0.5, 0.3, 0.2], 2000: [0.45, 0.33, 0.22], 4000: [0.4, 0.35, 0.25]}
+    for context in (1500, 2999, 3001, 2000):
+        equal(ex06.interpolate_partition(table3, context), reference_partition(table3, context),
+              f"interpolate_partition({table3}, {context})")
+
+
+@pytest.mark.exercise("6.3")
+@pytest.mark.points(1)
+def test_ex6_3_clamping_rounding_and_bad_input(ex06):
+    table = {1000: [0.5, 0.3, 0.2], 2000: [0.45, 0.33, 0.22]}
+    for context, expected in [(500, [250, 150, 100]), (10, [5, 3, 2]), (3000, [1350, 990, 660])]:
+        equal(ex06.interpolate_partition(table, context), expected,
+              f"interpolate_partition({table}, {context}) (outside the table: the nearest entry's ratios)")
+    equal(ex06.interpolate_partition({64: [0.5, 0.5]}, 7), [4, 3],
+          "interpolate_partition({64: [0.5, 0.5]}, 7) (a tie: the earlier rank gets the token)")
+    equal(ex06.interpolate_partition({100: [0.997, 0.001, 0.001, 0.001]}, 100), [97, 1, 1, 1],
+          "interpolate_partition({100: [0.997, 0.001, 0.001, 0.001]}, 100) (every rank needs a token)")
+    equal(ex06.interpolate_partition({64: [0.3, 0.3, 0.4]}, 11), reference_partition({64: [0.3, 0.3, 0.4]}, 11),
+          "interpolate_partition({64: [0.3, 0.3, 0.4]}, 11)")
+    raises(ValueError, ex06.interpolate_partition, {}, 100, call="interpolate_partition({}, 100)",
+           why="the table is empty")
+    raises(ValueError, ex06.interpolate_partition, table, 2, call=f"interpolate_partition({table}, 2)",
+           why="2 tokens cannot cover 3 processes")
+
+
+# --------------------------------------------------------------------------- 6.4
+
+def samples_from(a, b, c, noise=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for tokens, before in [(64, 0), (128, 0), (256, 256), (512, 0), (300, 700), (1024, 1024), (90, 2000),
+                           (700, 300), (2048, 0), (1500, 2500)]:
+        dots = tokens * (before + tokens)
+        seconds = a * tokens + b * dots + c
+        out.append((tokens, dots, float(seconds * (1 + noise * rng.standard_normal()))))
+    return out
+
+
+@pytest.mark.exercise("6.4")
+@pytest.mark.points(1)
+def test_ex6_4_recovers_exact_coefficients(ex06):
+    for a, b, c in [(2e-5, 3e-8, 1e-3), (1e-6, 5e-10, 0.0), (4e-4, 1e-9, 2e-2)]:
+        call = f"fit_cost_model(exact samples of {a:g} s/token + {b:g} s/dot + {c:g} s)"
+        got = ex06.fit_cost_model(samples_from(a, b, c))
+        if type(got) is not tuple or len(got) != 3 or any(type(x) is not float for x in got):
+            raise AssertionError(f"{call}: expected a tuple of 3 Python floats, got {got!r}")
+        for name, value, expected in zip("abc", got, (a, b, c)):
+            close(value, expected, f"{call}: {name}", rel=1e-6, abs_tol=1e-12)
+
+
+@pytest.mark.exercise("6.4")
+@pytest.mark.points(1)
+def test_ex6_4_least_squares_on_noisy_samples(ex06):
+    samples = samples_from(3e-5, 2e-8, 5e-3, noise=0.05, seed=4)
+    X = np.array([[t, d, 1.0] for t, d, _ in samples])
+    y = np.array([s for _, _, s in samples])
+    expected = np.linalg.lstsq(X / X.max(0), y, rcond=None)[0] / X.max(0)
+    got = ex06.fit_cost_model(samples)
+    if type(got) is not tuple or len(got) != 3:
+        raise AssertionError(f"fit_cost_model(10 noisy samples): expected a tuple of 3 floats, got {got!r}")
+    for name, value, e in zip("abc", got, expected):
+        close(value, float(e), f"fit_cost_model(10 noisy samples): {name} (the least-squares value)", rel=1e-6,
+              abs_tol=1e-12)
+    raises(ValueError, ex06.fit_cost_model, samples[:2], call="fit_cost_model(2 samples)",
+           why="three coefficients need at least 3 samples")

@@ -1,0 +1,197 @@
+"""Weight formats (toyllm.quant): exact byte counts, per-channel int8, fidelity to float32."""
+import pytest
+import torch
+import torch.nn as nn
+
+import toyllm.quant as quant
+from toyllm import generate, load_model
+from toyllm.quant import (BF16Linear, FP16Linear, Int8Linear, WEIGHT_FORMATS, convert_linears, int8_per_channel,
+                          linear_weight_bytes, weight_format)
+from toyllm.utils import random_prompt
+
+# A fixed English text for teacher forcing (at least 256 SmolLM2 tokens).
+TEXT = (
+    "The river starts high in the mountains, where snow melts in the spring and runs down in small streams. "
+    "Over many miles the streams join, and by the time the water reaches the first town it is wide enough for boats. "
+    "People have lived along its banks for thousands of years. They fished in it, drank from it, and used it to carry "
+    "wood, grain and stone to the cities on the coast. Mills were built where the current was strong, and bridges "
+    "where the banks were close. In the last century the river was straightened in places to make shipping easier, "
+    "and dams were built to produce electricity and to hold back floods. Some of these changes helped the towns grow, "
+    "but they also changed the life of the river itself. Fish that once swam upstream to lay their eggs could no "
+    "longer pass the dams, and the wetlands that had filtered the water dried out. Today engineers and scientists are "
+    "trying to undo part of the damage. They build ladders that let fish climb past the dams, and they let the river "
+    "flood some of its old meadows again. Children from the schools nearby count birds and measure the water every "
+    "month, and the numbers they collect show that the river is slowly getting cleaner. It will never be quite what "
+    "it was, but it is alive, and on summer evenings the whole town walks along its banks.")
+POSITIONS = 256
+MIN_TOP1_AGREEMENT = 0.9
+
+
+def _tiny_linears():
+    cfg = load_model("tiny")[0].config
+    # q, k, v, o and the three MLP matrices of each layer, plus the (untied) output projection
+    return cfg, cfg.n_layers * cfg.matmul_params_per_layer + cfg.vocab_size * cfg.d_model
+
+
+@pytest.mark.parametrize("weights", ["fp64", "int4", "", "FP32"])
+def test_unknown_weight_format_is_rejected(weights):
+    with pytest.raises(ValueError, match=r"unknown weight format weights=.*choose one of \['fp32', 'bf16', 'fp16', 'int8'\]"):
+        load_model("tiny", weights=weights)
+    with pytest.raises(ValueError, match="unknown weight format"):
+        convert_linears(load_model("tiny")[0], weights)
+
+
+@pytest.mark.parametrize("weights", WEIGHT_FORMATS)
+def test_bytes_per_weight_are_exact(weights):
+    cfg, n = _tiny_linears()
+    model, _ = load_model("tiny", weights=weights)
+    assert weight_format(model) == weights
+    out_channels = cfg.n_layers * (cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim + cfg.d_model
+                                   + 2 * cfg.ffn_dim + cfg.d_model) + cfg.vocab_size
+    expected = {"fp32": 4 * n, "bf16": 2 * n, "fp16": 2 * n, "int8": n + 2 * out_channels}[weights]  # bf16 scales
+    assert linear_weight_bytes(model) == expected
+    if weights != "fp32":
+        assert not any(isinstance(m, nn.Linear) for m in model.modules())
+
+
+def test_int8_per_channel_rounds_each_row_to_its_own_scale():
+    w = torch.tensor([[0.5, -1.0, 0.25], [100.0, 3.0, -50.0]])
+    q, scale = int8_per_channel(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32
+    torch.testing.assert_close(scale, torch.tensor([1.0 / 127, 100.0 / 127]))
+    assert q.tolist() == [[64, -127, 32], [127, 4, -64]]          # round(w / scale), the row maximum at +-127
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 48, generator=g) * torch.logspace(-3, 1, 64)[:, None]   # rows of very different size
+    q, scale = int8_per_channel(w)
+    err = (q.float() * scale[:, None] - w).abs()
+    assert (err <= scale[:, None] / 2 + 1e-7).all()                # at most half a step of that row's scale
+
+
+@pytest.mark.parametrize("cls, atol", [(BF16Linear, 2e-2), (FP16Linear, 1e-3), (Int8Linear, 3e-2)])
+def test_converted_linear_matches_float32(cls, atol):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 64, generator=g) * 0.1
+    x = torch.randn(2, 5, 64, generator=g)                         # (B, T, in): any leading dims
+    ref = x @ w.T
+    y = cls(w)(x)
+    assert y.shape == (2, 5, 96) and y.dtype == torch.float32
+    torch.testing.assert_close(y, ref, atol=atol, rtol=0)
+    assert (y - ref).abs().max() > 0 or cls is FP16Linear          # the formats really round
+
+
+@pytest.mark.parametrize("cls", [BF16Linear, Int8Linear])
+def test_exact_top_recomputes_the_largest_outputs_in_float32(cls):
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(500, 64, generator=g)
+    x = torch.randn(3, 1, 64, generator=g)
+    layer = cls(w, exact_top=8)
+    stored = layer.rows(torch.arange(500))                          # (500, 64): the weights as the layer keeps them
+    exact = x @ stored.T                                            # float32 products of the stored weights
+    y = layer(x)
+    top = y.topk(8, dim=-1).indices
+    torch.testing.assert_close(y.gather(-1, top), exact.gather(-1, top), atol=1e-5, rtol=1e-6)
+    assert (cls(w)(x) - exact).abs().max() > 1e-3                   # without it, outputs carry bf16 rounding
+
+
+def test_portable_kernels_give_the_same_results(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(80, 64, generator=g) * 0.1
+    x = torch.randn(4, 64, generator=g)
+    fast = {cls: cls(w)(x) for cls in (BF16Linear, FP16Linear)}
+    monkeypatch.setattr(quant, "_fbgemm", lambda: False)
+    monkeypatch.setattr(quant, "_onednn_bf16", lambda: False)
+    for cls, y in fast.items():
+        layer = cls(w)
+        assert layer.kernel == "F.linear"
+        torch.testing.assert_close(layer(x), y, atol=1e-3, rtol=8e-3)   # one bfloat16 step is 2^-8 relative
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp16", "int8"])
+def test_formats_on_tiny_generate_and_agree_with_float32(weights):
+    ref, _ = load_model("tiny")
+    model, _ = load_model("tiny", weights=weights)
+    ids = torch.tensor([random_prompt(200, 256, seed=7)])
+    agree = (model(ids).argmax(-1) == ref(ids).argmax(-1)).float().mean().item()
+    assert agree >= MIN_TOP1_AGREEMENT
+    prompt = random_prompt(16, 256)
+    naive = generate(model, prompt, 12, method="naive")
+    assert generate(model, prompt, 12).output_ids == naive.output_ids
+
+
+# --------------------------------------------------------------------------- SmolLM2
+
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2):
+    """float32's teacher-forced top-1 predictions and greedy chat answer."""
+    model, tok = smollm2
+    ids = tok.encode(TEXT)
+    assert len(ids) >= POSITIONS
+    ids = torch.tensor([ids[:POSITIONS]])
+    answer = generate(model, tok.encode_chat("What is the capital of France?"), 40, eos_id=tok.eos_id)
+    return ids, model(ids)[0].argmax(-1), answer.output_ids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", ["bf16", "fp16", "int8"])
+def test_smollm2_formats_keep_the_greedy_answer_and_top1(smollm2, smollm2_reference, weights):
+    _, tok = smollm2
+    ids, ref_top1, ref_answer = smollm2_reference
+    model, _ = load_model("smollm2-135m", weights=weights)
+    answer = generate(model, tok.encode_chat("What is the capital of France?"), 40, eos_id=tok.eos_id).output_ids
+    assert answer == ref_answer, tok.decode(answer)
+    assert "Paris" in tok.decode(answer)
+    agree = (model(ids)[0].argmax(-1) == ref_top1).float().mean().item()
+    assert agree >= MIN_TOP1_AGREEMENT, f"{weights}: {agree:.1%} top-1 agreement over {POSITIONS} positions"
+
+
+# --------------------------------------------------------------------------- command line and benchmark helpers
+
+def test_cli_generate_takes_weights(capsys):
+    import json
+
+    from toyllm.cli import main
+
+    assert main(["generate", "--model", "tiny", "--prompt", "hi", "--weights", "int8", "--json",
+                 "--max-new-tokens", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["weights"] == "int8" and len(out["output_ids"]) == 3
+    assert main(["generate", "--model", "tiny", "--prompt", "hi", "--weights", "fp64"]) == 2
+    err = capsys.readouterr().err
+    assert "--weights" in err and "fp64" in err and "int8" in err
+
+
+def test_decode_bytes_per_token_counts_weights_embedding_row_and_kv():
+    from toyllm.bench_decode import decode_bytes_per_token
+
+    model, _ = load_model("tiny", weights="bf16")
+    cfg = model.config
+    kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 100 * 4
+    assert decode_bytes_per_token(model, 100) == linear_weight_bytes(model) + 4 * cfg.d_model + kv
+    assert decode_bytes_per_token(model, 100, batch=3) == linear_weight_bytes(model) + 3 * (4 * cfg.d_model + kv)
+
+
+def test_benchmark_markdown_names_the_command_and_unmet_targets():
+    from toyllm.bench_decode import render_markdown
+
+    rows = [{"format": f, "bytes_per_token": b, "tokens_per_s": t, "bound_tokens_per_s": 1e9 / b, "vs_fp32": t / 10,
+             "paris": True, "same_as_fp32": True} for f, b, t in [("fp32", 5.4e8, 10.0), ("bf16", 2.7e8, 15.0)]]
+    data = {"threads": 1, "quick": True,
+            "formats": {"bandwidth_bytes_per_s": 1e9, "prompt_len": 37, "new_tokens": 16, "rounds": 2,
+                        "attention": "sdpa", "rows": rows},
+            "batch1": {"config": load_model("tiny")[0].config.to_dict(), "prompt_len": 64, "new_tokens": 8,
+                       "naive_s": 1.0, "cached_s": 0.05, "speedup": 20.0, "identical": True},
+            "blog": {"config": load_model("tiny")[0].config.to_dict(), "prompts": 10, "prompt_len": 50,
+                     "new_tokens": 100, "attention": "sdpa", "naive_s": 1.0, "cached_s": 0.1, "speedup": 10.0,
+                     "identical": True}}
+    text = render_markdown(data, "python -m toyllm.bench_decode --quick")
+    assert "`python -m toyllm.bench_decode --quick`" in text
+    assert "bf16 vs float32: 1.50x (target >= 1.6x: **not met**)" in text
+    assert "| 20.0x | yes | target >= 10x: met |" in text
+    assert "target >= 20x: **not met**" in text
+
+
+@pytest.mark.parametrize("weights, exact", [("bf16", True), ("int8", True), ("fp16", False)])
+def test_only_a_bf16_output_projection_recomputes_its_top_logits(weights, exact):
+    model, _ = load_model("tiny", weights=weights)
+    assert model.lm_head.exact_top == (quant.EXACT_TOP_LOGITS if exact else 0)
+    assert all(m.exact_top == 0 for m in model.layers.modules() if isinstance(m, quant._ConvertedLinear))

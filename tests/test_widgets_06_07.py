@@ -1,0 +1,64 @@
+"""The explorers of lessons 06 and 07 and their figures: callbacks recompute what the simulator says."""
+import pytest
+
+from toyllm import viz, widgets
+from toyllm.model import get_config
+from toyllm.partition import even_partition, exhaustive_search, hierarchical_grid_search, search_boundary_1d
+from toyllm.simulate import CostModel, simulate_prefill, ttft_cost
+
+BENCH = get_config("bench")
+CM = CostModel(qkv_s_per_token=4e-6, mlp_s_per_token=8e-6, attn_s_per_dot=2e-9, layer_overhead_s=1e-4,
+               link_bandwidth_bytes_per_s=3e9, link_latency_s=5e-5, label="test values")
+
+
+def test_partition_explorer_follows_its_sliders():
+    ex = widgets.PartitionExplorer(BENCH, CM, context=960, world_size=3, plot=False)
+    assert ex.chunks == even_partition(960, 3) and ex.ttft_s == pytest.approx(ex.even_ttft_s)
+    ex.sliders[0].value, ex.sliders[1].value = 400, 700
+    assert ex.chunks == [400, 300, 260]
+    assert ex.ttft_s == simulate_prefill(BENCH, [400, 300, 260], "kvr", CM).ttft_s
+    assert f"{1e3 * ex.ttft_s:.2f} ms" in ex.text.value
+    ex.sliders[1].value = 300                                   # behind boundary 1: no valid partition
+    assert ex.chunks is None and ex.ttft_s is None and "must increase" in ex.text.value
+    with pytest.raises(ValueError, match="inner boundaries"):
+        widgets.PartitionExplorer(BENCH, CM, context=960, world_size=3, boundaries=[100], plot=False)
+
+
+def test_partition_explorer_draws_the_simulated_timeline():
+    ex = widgets.PartitionExplorer(BENCH, CM, context=256, world_size=2)
+    assert ex.figure is not None and "simulated" in ex.figure.axes[0].get_title()
+    assert [t.get_text() for t in ex.figure.axes[0].get_yticklabels()] == ["rank 0", "rank 1"]
+
+
+def test_network_explorer_recomputes_the_three_methods():
+    ex = widgets.NetworkExplorer(BENCH, CM, context=2048, bandwidth_gbps=10.0, world_size=2, plot=False)
+    cm = CM.with_(link_bandwidth_bytes_per_s=10e9)
+    assert ex.times_s["TSP, p=2"] == simulate_prefill(BENCH, [1024, 1024], "tsp", cm).ttft_s
+    assert ex.speedup["one process"] == 1.0
+    slow_kvr = ex.times_s["KVR-E, p=2"]
+    ex.bandwidth.value = 0.01                                   # 10 MB/s: the link dominates
+    assert ex.times_s["KVR-E, p=2"] > slow_kvr and ex.speedup["KVR-E, p=2"] < 1
+    ex.world_size.value = 4
+    assert set(ex.times_s) == {"one process", "TSP, p=4", "KVR-E, p=4"}
+    assert f"{ex.speedup['TSP, p=4']:.2f}x" in ex.text.value
+
+
+def test_network_explorer_draws_bars():
+    ex = widgets.NetworkExplorer(BENCH, CM, context=1024)
+    assert len(ex.figure.axes[0].patches) == 3
+
+
+def test_search_figures():
+    cost = ttft_cost(BENCH, CM)
+    fig = viz.plot_boundary_search({"model": search_boundary_1d(cost, 1024, min_stride=16)})
+    assert fig.axes[0].get_xlabel().startswith("tokens on rank 0")
+    grid = exhaustive_search(cost, 256, 3, stride=32)
+    surface = {tuple(h["boundaries"][1:3]): h["cost_s"] for h in grid.history}
+    fig = viz.plot_partition_heatmap(256, surface, path=hierarchical_grid_search(cost, 256, 3, min_stride=4))
+    assert len(fig.axes) == 2                                   # the map and its colour bar
+    with pytest.raises(ValueError, match="two-process"):
+        viz.plot_boundary_search({"p=3": grid})
+    fig = viz.plot_speedup_map([512, 1024], [1, 10, 100], [[0.5, 0.9, 1.2], [0.8, 1.3, 1.6]])
+    assert fig.axes[0].get_xscale() == "log"
+    with pytest.raises(ValueError, match="expected"):
+        viz.plot_speedup_map([512], [1, 10], [[1.0]])

@@ -1,0 +1,177 @@
+"""The rules a submitted function runs under while it is graded.
+
+1. **Independence.** Each graded test file lists, per exercise, toyllm's own
+   implementations of what the exercise asks for::
+
+       FORBIDDEN = {"2.1": ["toyllm.model:dense_attention"], ...}
+
+   While a test of Exercise 2.1 calls the submission, each listed function
+   is guarded: a call that comes from the submission (its file is on the
+   call stack, or the direct caller is not toyllm/torch/standard-library
+   code, such as ``exec``'d text) raises ``IndependenceError`` and is
+   recorded, and the whole exercise scores zero. The guard replaces the
+   function's code object in place, so every alias (``from toyllm import
+   generate``, a reference stored in a list) is guarded too. The library
+   itself keeps working: toyllm code calling the function from toyllm code
+   is allowed. A class is guarded through its ``__init__``.
+
+2. **One exercise at a time.** While a test of Exercise 3.5 runs, the
+   submission's functions of the *other* exercises of the same lesson are
+   swapped for the model answers, so a mistake in 3.3 costs only 3.3's
+   points even when 3.5 calls it.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import re
+import sys
+import sysconfig
+import threading
+import types
+from pathlib import Path
+
+_SOLUTION_MARK = re.compile(r"^([ \t]*)# BEGIN SOLUTION (\d+\.\d+)", re.MULTILINE)
+_DEF = re.compile(r"^([ \t]*)(?:async )?def (\w+)\s*\(", re.MULTILINE)
+
+
+class IndependenceError(Exception):
+    """The submission called toyllm's own implementation of the exercise it is graded on."""
+
+
+def exercise_functions(reference_source: str) -> dict[str, list[str]]:
+    """{"3.3": ["min_step_time_s"], ...}: the top-level functions holding each exercise's model answer."""
+    out: dict[str, list[str]] = {}
+    defs = [(m.start(), len(m[1]), m[2]) for m in _DEF.finditer(reference_source)]
+    for m in _SOLUTION_MARK.finditer(reference_source):
+        enclosing = [(indent, name) for start, indent, name in defs if start < m.start() and indent < len(m[1])]
+        top = [name for indent, name in enclosing if indent == 0]
+        if top:
+            out.setdefault(m[2], []).append(top[-1])
+    return out
+
+
+# --------------------------------------------------------------------------- independence
+
+_TRUSTED_DIRS = tuple({str(Path(p).resolve()) + os.sep for p in (
+    Path(__file__).resolve().parents[1],                          # toyllm
+    Path(importlib.import_module("torch").__file__).resolve().parent,
+    sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"])})
+
+_state = threading.local()
+_installed: dict[str, tuple[types.FunctionType, types.CodeType, types.FunctionType]] = {}
+_GUARD_NAME = "__toyllm_guard__"
+
+
+def _target(spec: str):
+    """The function object ``"pkg.module:name"`` (or ``name.attr``) names; a class gives its ``__init__``."""
+    module_name, _, attr = spec.partition(":")
+    if not attr:
+        raise ValueError(f"a forbidden function looks like 'package.module:function', got {spec!r}")
+    obj = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if isinstance(obj, type):
+        obj = obj.__init__
+    obj = getattr(obj, "__func__", obj)
+    while isinstance(getattr(obj, "__wrapped__", None), types.FunctionType):    # @torch.no_grad() and friends
+        obj = obj.__wrapped__
+    if not isinstance(obj, types.FunctionType):
+        raise ValueError(f"forbidden {spec!r} is not a Python function or class")
+    return obj
+
+
+def _install(spec: str) -> None:
+    if spec in _installed:
+        return
+    fn = _target(spec)
+    if fn.__closure__:
+        raise ValueError(f"forbidden {spec!r} is a closure; list the module-level function instead")
+    original_code = fn.__code__
+    real = types.FunctionType(original_code, fn.__globals__, fn.__name__, fn.__defaults__)
+    real.__kwdefaults__ = fn.__kwdefaults__
+    fn.__globals__.setdefault(_GUARD_NAME, _check)
+    # A code object with no free variables, so it can replace any module-level function's code.
+    stub = compile(f"lambda *args, **kwargs: {_GUARD_NAME}({spec!r}, args, kwargs)", "<toyllm guard>", "eval")
+    fn.__code__ = eval(stub, {}).__code__
+    _installed[spec] = (fn, original_code, real)
+
+
+def _uninstall_all() -> None:
+    for fn, code, _ in _installed.values():
+        fn.__code__ = code
+    _installed.clear()
+
+
+def _from_submission(frame) -> bool:
+    """True when the guarded function was called by the submission, directly or through any helper."""
+    caller = frame.f_back.f_back              # frame: _check; f_back: the guard's lambda; then its caller
+    if caller is not None and not caller.f_code.co_filename.startswith(_TRUSTED_DIRS):
+        return True
+    files = getattr(_state, "files", ())
+    f = caller
+    while f is not None:
+        if f.f_code.co_filename in files:
+            return True
+        f = f.f_back
+    return False
+
+
+def _check(spec, args, kwargs):
+    active = getattr(_state, "active", None)
+    if active and spec in active and _from_submission(sys._getframe()):
+        exercise = _state.exercise
+        message = (f"Exercise {exercise} must be your own code, but it called {spec.replace(':', '.')}, "
+                   f"toyllm's own implementation of what the exercise asks for: this exercise scores 0")
+        _state.violations.append(message)
+        raise IndependenceError(message)
+    return _installed[spec][2](*args, **kwargs)
+
+
+@contextlib.contextmanager
+def rules(exercise: str | None, forbidden=(), submission_files=(), swaps=()):
+    """Apply the grading rules for one call of submitted code; yields the list of violations it records.
+
+    forbidden: "module:function" specs guarded for this exercise.
+    submission_files: the files of the submission (their frames count as the submission's).
+    swaps: (module, name, replacement) to set for the call and undo afterwards.
+    """
+    saved = []
+    for module, name, replacement in swaps:
+        saved.append((module, name, module.__dict__.get(name, _MISSING)))
+        setattr(module, name, replacement)
+    violations: list[str] = []
+    try:
+        for spec in forbidden:
+            _install(spec)
+        _state.active, _state.exercise, _state.violations = set(forbidden), exercise, violations
+        _state.files = frozenset(str(f) for f in submission_files)
+        yield violations
+    finally:
+        _state.active, _state.files = None, ()
+        _uninstall_all()
+        for module, name, value in reversed(saved):
+            if value is _MISSING:
+                module.__dict__.pop(name, None)
+            else:
+                setattr(module, name, value)
+
+
+_MISSING = object()
+
+
+def swaps_for(exercise: str | None, submission: types.ModuleType, reference: types.ModuleType | None,
+              called: str) -> list[tuple]:
+    """(module, name, model answer) for every function of the lesson's *other* exercises."""
+    if exercise is None or reference is None:
+        return []
+    source = Path(reference.__file__).read_text()
+    out = []
+    for other, names in exercise_functions(source).items():
+        if other == exercise:
+            continue
+        for name in names:
+            if name != called and hasattr(reference, name) and name in submission.__dict__:
+                out.append((submission, name, getattr(reference, name)))
+    return out

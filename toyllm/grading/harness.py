@@ -1,0 +1,130 @@
+"""Trusted helpers that graded tests run next to the submission, with ``sandboxed(...)``.
+
+They exist for work that must not cross the process boundary once per
+step: calling a submitted function thousands of times, recording every
+forward pass a submitted generation loop makes, or handing a submitted
+per-layer step to the parallel engine's worker processes. They return
+plain data only (numbers, lists, tensors, dataclass fields), which the
+graded test then checks against references of its own::
+
+    from toyllm.grading import sandboxed
+    draws = sandboxed("toyllm.grading.harness:repeat", ex01.sample_next_token, 400, logits, seed=0, top_k=3)
+
+A helper runs inside the submission's process, so it checks nothing
+itself: every verdict is the graded test's, in the trusted process.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+
+def repeat(fn, n: int, *args, seed: int = 0, **kwargs) -> list:
+    """``[fn(*args, generator=g, **kwargs) for n calls]`` with one ``torch.Generator`` seeded ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    return [fn(*args, generator=gen, **kwargs) for _ in range(n)]
+
+
+def traced(fn, model, *args, **kwargs) -> dict:
+    """Call ``fn(model, *args, **kwargs)`` and record every forward pass of ``model``.
+
+    Returns {"value": fn's value, "calls": [{"ids": row 0's token ids,
+    "input_pos": int or None, "cache": a number per distinct cache object
+    (None without one), "cache_length": tokens that cache held before the
+    call}, ...]}. Both ``model(ids)`` and ``model.forward(ids)`` are seen.
+    """
+    calls: list[dict] = []
+    caches: dict[int, int] = {}
+    original = model.forward
+    signature = inspect.signature(original)
+
+    def recording_forward(*a, **kw):
+        bound = signature.bind(*a, **kw)
+        bound.apply_defaults()
+        arg = bound.arguments
+        cache = arg["cache"]
+        input_pos = arg["input_pos"]
+        calls.append({"ids": arg["ids"][0].tolist(),
+                      "input_pos": int(input_pos) if isinstance(input_pos, (int, torch.Tensor)) else input_pos,
+                      "cache": None if cache is None else caches.setdefault(id(cache), len(caches)),
+                      "cache_length": cache.length if cache is not None else 0})
+        return original(*a, **kw)
+
+    model.forward = recording_forward
+    try:
+        value = fn(model, *args, **kwargs)
+    finally:
+        del model.forward
+    return {"value": value, "calls": calls}
+
+
+_pools: dict[int, object] = {}
+
+
+def parallel_prefill(spec, ids, method: str, p: int, chunks, **kwargs):
+    """``toyllm.parallel.parallel_prefill`` with a pool of ``p`` workers kept for the whole lesson."""
+    from toyllm.launch import WorkerPool
+    from toyllm.parallel import parallel_prefill as run
+
+    if p not in _pools or _pools[p].closed:
+        _pools[p] = WorkerPool(p, timeout_s=60)
+    result = run(spec, ids, method, p, chunks, pool=_pools[p], **kwargs)
+    if result.kv_cache is not None:                    # plain (keys, values) pairs per layer travel back
+        result.kv_cache = [(k, v) for k, v in result.kv_cache]
+    return result
+
+
+# --------------------------------------------------------------------------- lessons 06-07: searches
+
+def counted(fn, cost, *args, **kwargs) -> dict:
+    """Call ``fn(recording_cost, *args, **kwargs)``; return {"value": fn's value, "calls": [argument of each call]}.
+
+    The graded test counts the distinct arguments, so a search that tries
+    every partition cannot pass as a search.
+    """
+    calls: list = []
+
+    def recording(x):
+        calls.append(list(x) if isinstance(x, (list, tuple)) else x)
+        return cost(x)
+
+    return {"value": fn(recording, *args, **kwargs), "calls": calls}
+
+
+def bowl_cost(chunks, optimum) -> float:
+    """A cost with a known best partition: 1 + the squared distance of the boundaries from ``optimum``'s."""
+    b = c = 0
+    total = 1.0
+    for got, best in zip(chunks[:-1], optimum[:-1]):
+        b, c = b + got, c + best
+        total += ((b - c) / 16.0) ** 2
+    return total
+
+
+def kink_cost(chunks, best: int, left: float = 3.0, right: float = 1.0) -> float:
+    """A two-process cost shaped like TTFT = max(rank 0's time, rank 1's): lowest at c_0 == ``best``."""
+    b = chunks[0]
+    return 1.0 + max(left * (b - best), right * (best - b)) / 1000.0
+
+
+def simulated_ttft(chunks, cfg, cost_model, method: str = "kvr") -> float:
+    """``toyllm.simulate.simulate_prefill``'s TTFT (seconds) of ``chunks``, as a cost for the searches."""
+    from toyllm.simulate import simulate_prefill
+
+    return simulate_prefill(cfg, list(chunks), method, cost_model, record_events=False).ttft_s
+
+
+def step_speedup(context: int, crossing: int) -> float:
+    """A speedup that reaches 1 exactly at ``crossing`` tokens and grows with the context."""
+    return 0.5 + 0.5 * context / crossing
+
+
+def simulated_speedup(context: int, cfg, cost_model, world_size: int) -> float:
+    """Simulated one-process TTFT over KVR's with an even split: the speedup of parallel prefill."""
+    from toyllm.partition import even_partition
+    from toyllm.simulate import simulate_prefill
+
+    single = simulate_prefill(cfg, [context], "single", cost_model, record_events=False).ttft_s
+    kvr = simulate_prefill(cfg, even_partition(context, world_size), "kvr", cost_model, record_events=False).ttft_s
+    return single / kvr

@@ -1,0 +1,485 @@
+"""Submitted code runs in a sandbox process; the graded tests only see proxies.
+
+While the grader runs (``TOYLLM_GRADE_SANDBOX=1`` in its pytest process),
+``load_exercise("ex02")`` returns a ``RemoteModule``: calling
+``ex02.kv_cache_bytes(...)`` sends the arguments to one sandbox process per
+lesson and brings back the value (``wire`` says in which safe format). The
+sandbox process
+
+- runs as the user ``nobody`` when the grader runs as root (as in a
+  Gradescope container or CI), else as the grader's user;
+- has its own process group, a scratch folder as its working directory and
+  home, a copy of the submission's files, the model answers (for the other
+  exercises, see ``guard``) and an environment with nothing but the basics;
+- gets CPU-time, memory, file-size and process-count limits;
+- cannot reach the graded tests, the grader's log or the results file (they
+  live in the grader's private folder, which ``nobody`` cannot open).
+
+A call that does not return before the test's time is up stops the sandbox
+(``SubmissionTimeout``, named after the call); so does a crash
+(``SubmissionCrash``). The next call starts a fresh sandbox. A module whose
+import timed out or failed is not imported again: one timeout, not one per
+test. Every process the submission started ends with the sandbox: the
+pytest process is a child subreaper, so even processes that detached
+themselves come back to it and are ended.
+
+Outside the grader (plain ``pytest tests/grading``) the same tests run the
+submission in-process under the same rules (``LocalModule``), which keeps
+``make test`` fast.
+
+Test authors reach trusted helpers that must run next to the submission
+(a model loop that records forward calls, the parallel engine) with
+``sandboxed("toyllm.grading.harness:function", *args)``.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import guard, wire
+from .launcher import _closed_folders, _libc, _namespaces_work
+
+SANDBOX_ENV = "TOYLLM_GRADE_SANDBOX"          # "1" in the grader's pytest processes
+TIMEOUT_ENV = "TOYLLM_GRADE_TIMEOUT"          # seconds per test (the grader's --timeout)
+MEMORY_ENV = "TOYLLM_GRADE_MEMORY_MB"         # address-space limit of the sandbox (MiB)
+USER_ENV = "TOYLLM_SANDBOX_USER"              # who runs the submission when the grader is root
+HIDE_ENV = "TOYLLM_GRADE_HIDE"                # folders the submission must not see (os.pathsep-separated)
+DEFAULT_MEMORY_MB = 8192
+CPU_LIMIT_S = 900                             # CPU seconds per sandbox process
+FILE_LIMIT_BYTES = 256 * 2**20
+PROCESS_LIMIT = 256
+
+
+class SubmissionTimeout(Exception):
+    """A call into the submission did not return in time."""
+
+
+class SubmissionCrash(Exception):
+    """The submission's process died during a call."""
+
+
+class SubmissionError(Exception):
+    """The submission raised an exception that is not one of Python's built-in ones."""
+
+
+# --------------------------------------------------------------------------- what the current test is
+
+class _Context:
+    exercise: str | None = None       # "2.1" while a test of Exercise 2.1 runs
+    forbidden: tuple = ()             # its FORBIDDEN specs
+    deadline: float | None = None     # time.monotonic() by which a call must be back
+    on_violation = None               # callback(exercise, message), set by the plugin
+
+
+context = _Context()
+
+
+def _time_left(default_s: float | None = None) -> float:
+    if context.deadline is not None:
+        return max(context.deadline - time.monotonic(), 0.5)
+    return default_s if default_s is not None else float(os.environ.get(TIMEOUT_ENV, "20"))
+
+
+def describe_call(name: str, args, kwargs) -> str:
+    """``name(arg, ...)`` with tensors as their shapes and long values cut short."""
+    def short(x):
+        import torch
+
+        if isinstance(x, torch.Tensor):
+            return f"tensor{tuple(x.shape)}"
+        if isinstance(x, torch.nn.Module):
+            return type(x).__name__
+        if isinstance(x, (RemoteFunction, LocalFunction)):
+            return x.__name__
+        text = repr(x)
+        return text if len(text) <= 40 else text[:37] + "..."
+    parts = [short(a) for a in args] + [f"{k}={short(v)}" for k, v in kwargs.items()]
+    return f"{name}({', '.join(parts)})"
+
+
+# --------------------------------------------------------------------------- the sandbox process
+
+def _sandbox_user() -> tuple[int, int] | None:
+    """(uid, gid) to run the submission as, or None to keep the grader's own user."""
+    if os.geteuid() != 0:
+        return None
+    import pwd
+
+    name = os.environ.get(USER_ENV) or "nobody"
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        raise RuntimeError(f"the grader runs as root but there is no user {name!r} to run submissions as; "
+                           f"create one or set {USER_ENV}") from None
+    if entry.pw_uid == 0:
+        raise RuntimeError(f"{USER_ENV}={name} is root; submissions must run as an unprivileged user")
+    if _closed_folders() and not _namespaces_work():
+        return None                   # that user could not even start Python: see isolation()
+    return entry.pw_uid, entry.pw_gid
+
+
+def isolation() -> str:
+    """One line saying who runs the submission (shown with every grade)."""
+    if os.geteuid() != 0:
+        return "the submission runs in its own process, as the grader's user"
+    name = os.environ.get(USER_ENV) or "nobody"
+    if _sandbox_user() is None:
+        return (f"WARNING: the submission runs as root: user {name!r} cannot reach "
+                f"{', '.join(map(str, _closed_folders()))} to run Python, and mount namespaces are not available")
+    return f"the submission runs in its own process as user {name!r}" + \
+        (", with the course's tests out of sight" if _namespaces_work() else "")
+
+
+class Sandbox:
+    """One sandbox process (restarted after a crash or timeout) for the submission in ``impl_dir``."""
+
+    def __init__(self, impl_dir: Path, reference_dir: Path | None, memory_mb: int, hide=()):
+        self.impl_dir, self.reference_dir, self.memory_mb = Path(impl_dir), reference_dir, memory_mb
+        self.hide = [Path(p) for p in hide]       # folders the submission must not see (the tests)
+        self.user = _sandbox_user()
+        self.proc: subprocess.Popen | None = None
+        self.sock: socket.socket | None = None
+        self.scratch: Path | None = None
+        self.loaded: dict[str, dict] = {}          # module -> reply of its load
+        self.failed: dict[str, Exception] = {}     # module -> why it cannot be loaded (not retried)
+        self._others: set[int] = set()
+
+    # -- process management
+
+    def _start(self) -> None:
+        self.scratch = Path(tempfile.mkdtemp(prefix="toyllm-sandbox-"))
+        submission, reference = self.scratch / "submission", self.scratch / "reference"
+        submission.mkdir()
+        reference.mkdir()
+        for path in self.impl_dir.glob("*.py"):
+            shutil.copyfile(path, submission / path.name)
+        if self.reference_dir is not None:
+            for path in Path(self.reference_dir).glob("ex*.py"):
+                shutil.copyfile(path, reference / path.name)
+        if self.user is not None:
+            for path in [self.scratch, *self.scratch.rglob("*")]:
+                os.chown(path, *self.user)
+        parent, child = socket.socketpair()
+        env = {"PATH": os.defpath, "HOME": str(self.scratch), "TMPDIR": str(self.scratch), "LANG": "C.UTF-8",
+               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "PYTHONNOUSERSITE": "1",
+               "OMP_NUM_THREADS": "1", "TOYLLM_IMPL": str(submission)}
+        for name in ("TOYLLM_FAST", "LD_LIBRARY_PATH"):        # the lesson's size switch; where libpython is
+            if name in os.environ:
+                env[name] = os.environ[name]
+        limits = f"{self.memory_mb},{CPU_LIMIT_S},{FILE_LIMIT_BYTES},{PROCESS_LIMIT if self.user else 0}"
+        user = f"{self.user[0]},{self.user[1]}" if self.user else "-"
+        hide = os.pathsep.join(str(p) for p in self.hide)
+        cmd = [sys.executable, str(Path(__file__).with_name("launcher.py")),
+               str(child.fileno()), str(reference), str(os.getpid()), limits, user, hide]
+        _become_subreaper()
+        self._others = {p.pid for p in _children()}
+        self.proc = subprocess.Popen(cmd, cwd=self.scratch, env=env, pass_fds=(child.fileno(),),
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        child.close()
+        self.sock = parent
+        for name in list(self.loaded):               # a restart: bring back what was loaded
+            self.loaded.pop(name)
+            self.load(name)
+
+    def kill(self) -> None:
+        """End the sandbox and every process it started, however they detached."""
+        if self.proc is None:
+            return
+        proc, self.proc = self.proc, None
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+        self._end_descendants()
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch = None
+
+    def _end_descendants(self) -> None:
+        import psutil
+
+        for _ in range(5):                 # orphans keep arriving while their parents die
+            strays = [p for p in _children() if p.pid not in self._others]
+            if not strays:
+                return
+            for p in strays:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+            psutil.wait_procs(strays, timeout=5)
+
+    # -- requests
+
+    def _request(self, message: dict, what: str, timeout_s: float) -> dict:
+        if self.proc is None:
+            self._start()
+        try:
+            self.sock.settimeout(timeout_s)
+            wire.send(self.sock, wire.to_sandbox(message))
+            return wire.from_sandbox(wire.recv(self.sock))
+        except socket.timeout:
+            self.kill()
+            raise SubmissionTimeout(f"timed out: {what} did not return within {timeout_s:.0f} s "
+                                    "(the submission's process was stopped)") from None
+        except (ConnectionError, OSError, EOFError) as e:
+            code = self.proc.poll() if self.proc is not None else None
+            if self.proc is not None:
+                time.sleep(0.1)
+                code = self.proc.poll()
+            self.kill()
+            why = _describe_exit(code) if code is not None else str(e)
+            raise SubmissionCrash(f"crashed: the submission's process died during {what} ({why}); look for "
+                                  "os._exit, sys.exit in a worker, a segfault or running out of memory") from None
+        except BaseException:                   # Ctrl-C, a test's own timeout: the sandbox is mid-call
+            self.kill()
+            raise
+
+    def load(self, name: str) -> dict:
+        if name in self.failed:
+            raise self.failed[name]
+        if name in self.loaded:
+            return self.loaded[name]
+        try:
+            reply = self._request({"op": "load", "module": name}, f"importing {name}", _time_left())
+        except (SubmissionTimeout, SubmissionCrash) as e:
+            self.failed[name] = type(e)(str(e).replace(f"importing {name}", f"importing your {name} file"))
+            raise self.failed[name] from None
+        if not reply["ok"]:
+            self.failed[name] = _rebuild_error(reply["error"])
+            raise self.failed[name]
+        self.loaded[name] = reply["value"]
+        return reply["value"]
+
+    def call(self, target: tuple, args: tuple, kwargs: dict, what: str):
+        message = {"op": "call", "target": target, "args": args, "kwargs": kwargs,
+                   "exercise": context.exercise, "forbidden": list(context.forbidden)}
+        reply = self._request(message, what, _time_left())
+        for violation in reply.get("violations", ()):
+            if context.on_violation is not None:
+                context.on_violation(context.exercise, violation)
+        if reply.get("violations"):
+            raise guard.IndependenceError(reply["violations"][0])
+        if not reply["ok"]:
+            raise _rebuild_error(reply["error"])
+        return reply["value"]
+
+
+def _children():
+    import psutil
+
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _become_subreaper() -> None:
+    """Orphaned descendants come back to this process instead of init, so they can be ended."""
+    PR_SET_CHILD_SUBREAPER = 36
+    try:
+        _libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _rebuild_error(error: dict) -> Exception:
+    """The submission's exception as a built-in exception of the same kind (so pytest.raises works)."""
+    import builtins
+
+    cls = getattr(builtins, str(error.get("builtin")), None)
+    message = str(error.get("message", ""))
+    if not (isinstance(cls, type) and issubclass(cls, Exception)) or cls is Exception and error.get("type") != "Exception":
+        cls, message = SubmissionError, f"{error.get('type')}: {message}"
+    where = error.get("where")
+    exc = cls(message + (f"\n  at {where}" if where else ""))
+    return exc
+
+
+def _serve() -> None:
+    """The sandbox process once it runs as the sandbox user (see ``launcher``): limits first, then serve."""
+    import resource
+
+    fd, reference, parent_pid, limits = sys.argv[1:5]
+    memory_mb, cpu_s, file_bytes, nproc = (int(x) for x in limits.split(","))
+    PR_SET_PDEATHSIG = 1
+    _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)        # the grader's test process died: so do we
+    if os.getppid() != int(parent_pid):
+        os._exit(1)
+    resource.setrlimit(resource.RLIMIT_AS, (memory_mb * 2**20,) * 2)
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 5))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes,) * 2)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if nproc:
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    from .server import main
+
+    main(int(fd), reference)
+
+
+# --------------------------------------------------------------------------- the proxies tests see
+
+_sandbox: Sandbox | None = None
+
+
+def _get_sandbox() -> Sandbox:
+    global _sandbox
+    if _sandbox is None:
+        from .course import solutions_dir
+        from .impl import resolve_impl
+
+        try:
+            reference = solutions_dir()
+        except ValueError:
+            reference = None
+        hide = [p for p in os.environ.get(HIDE_ENV, "").split(os.pathsep) if p]
+        _sandbox = Sandbox(resolve_impl(), reference, int(os.environ.get(MEMORY_ENV, DEFAULT_MEMORY_MB)), hide)
+    return _sandbox
+
+
+def close() -> None:
+    """End the sandbox (the plugin calls this when pytest finishes)."""
+    global _sandbox
+    if _sandbox is not None:
+        _sandbox.kill()
+        _sandbox = None
+
+
+class RemoteFunction:
+    """A submitted function, called in the sandbox."""
+
+    def __init__(self, module: "RemoteModule", name: str):
+        self._module, self.__name__ = module, name
+        self.__qualname__ = name
+
+    def _toyllm_remote_ref(self):
+        return ("exercise", self._module._name, self.__name__)
+
+    @property
+    def source_file(self) -> Path:
+        return self._module.__file__
+
+    def __call__(self, *args, **kwargs):
+        what = describe_call(self.__name__, args, kwargs)
+        return _get_sandbox().call(self._toyllm_remote_ref(), args, kwargs, what)
+
+    def __repr__(self) -> str:
+        return f"<submitted function {self._module._name}.{self.__name__}>"
+
+
+class RemoteModule:
+    """The submission's exercise module as the graded tests see it: attribute access gives ``RemoteFunction``s."""
+
+    def __init__(self, name: str):
+        from .impl import _exercise_file, resolve_impl
+
+        self._name = name
+        self.__file__ = _exercise_file(resolve_impl(), name)
+        self._functions = set(_get_sandbox().load(name)["functions"])
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        if attr not in self._functions:
+            raise AttributeError(f"{self.__file__.name} has no function {attr!r}")
+        return RemoteFunction(self, attr)
+
+    def __repr__(self) -> str:
+        return f"<submission {self.__file__.name} (runs in the sandbox)>"
+
+
+def remote_module(name: str) -> RemoteModule:
+    return RemoteModule(name)
+
+
+# --------------------------------------------------------------------------- the same rules, in-process
+
+class LocalFunction:
+    """A submitted function called in this process under the grading rules (plain pytest runs)."""
+
+    def __init__(self, module: "LocalModule", fn):
+        self._module, self._fn, self.__name__ = module, fn, fn.__name__
+        self.__qualname__ = getattr(fn, "__qualname__", fn.__name__)
+        self.__wrapped__ = fn
+
+    @property
+    def source_file(self) -> Path:
+        return Path(self._module._module.__file__)
+
+    def __call__(self, *args, **kwargs):
+        with self._module._rules(self.__name__) as violations:
+            try:
+                return self._fn(*args, **kwargs)
+            finally:
+                if violations and context.on_violation is not None:
+                    context.on_violation(context.exercise, violations[0])
+
+
+class LocalModule:
+    """An exercise module whose functions run in-process under ``guard.rules`` for the current test."""
+
+    def __init__(self, module, reference=None):
+        self._module, self._reference = module, reference
+        self.__file__ = module.__file__
+
+    def _rules(self, called: str):
+        swaps = guard.swaps_for(context.exercise, self._module, self._reference, called)
+        return guard.rules(context.exercise, context.forbidden, [self._module.__file__], swaps)
+
+    def __getattr__(self, attr: str):
+        value = getattr(self._module, attr)
+        return LocalFunction(self, value) if callable(value) and not isinstance(value, type) else value
+
+
+def sandboxed(target: str, *args, **kwargs):
+    """Run the trusted function ``"toyllm.module:function"`` where the submission runs; return its value.
+
+    Under the grader that is the sandbox (submitted functions among the
+    arguments are the sandbox's own copies); in a plain pytest run, this
+    process, under the same rules. Use it for helpers that must call
+    submitted code many times or hand it to other processes (see
+    ``toyllm.grading.harness``). The value must be plain data.
+    """
+    module_name, _, fn_name = target.partition(":")
+    if not module_name.startswith("toyllm.") or not fn_name:
+        raise ValueError(f"sandboxed() runs 'toyllm.module:function' helpers, got {target!r}")
+    if os.environ.get(SANDBOX_ENV) == "1":
+        what = describe_call(fn_name, args, kwargs)
+        return _get_sandbox().call(("harness", target), args, kwargs, what)
+    import importlib
+
+    fn = getattr(importlib.import_module(module_name), fn_name)
+    local = [a for a in (*args, *kwargs.values()) if isinstance(a, LocalFunction)]
+    args = tuple(a.__wrapped__ if isinstance(a, LocalFunction) else a for a in args)
+    kwargs = {k: (v.__wrapped__ if isinstance(v, LocalFunction) else v) for k, v in kwargs.items()}
+    files = [f.source_file for f in local]
+    swaps = []
+    for f in local:
+        swaps += guard.swaps_for(context.exercise, f._module._module, f._module._reference, f.__name__)
+    with guard.rules(context.exercise, context.forbidden, files, swaps) as violations:
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if violations and context.on_violation is not None:
+                context.on_violation(context.exercise, violations[0])

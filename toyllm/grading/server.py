@@ -1,0 +1,121 @@
+"""The sandbox process: imports the submission and runs its functions for the grader.
+
+Started by ``toyllm.grading.sandbox`` with one end of a socket pair as file
+descriptor ``argv[1]``; the submission's files are in ``$TOYLLM_IMPL``, the
+model answers (for the other exercises, see ``guard``) in ``argv[2]``. It
+answers one request at a time:
+
+- ``load``: import an exercise module; reply with its function names;
+- ``call``: run a submitted function (``("exercise", module, name)``) or a
+  trusted harness function (``("harness", "pkg.module:function")``) under
+  the grading rules of the current exercise; reply with the value, or the
+  error (type, message, the submission's last line), plus any violation of
+  the independence rule.
+
+Nothing here is trusted by the grader: every reply is read with
+``wire.from_sandbox``, which only rebuilds plain data.
+"""
+from __future__ import annotations
+
+import builtins
+import importlib
+import os
+import socket
+import sys
+import traceback
+
+
+def _error(exc: BaseException, files) -> dict:
+    builtin = next((c.__name__ for c in type(exc).__mro__ if getattr(builtins, c.__name__, None) is c), "Exception")
+    where = ""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if frame.filename in files:
+            where = f"{os.path.basename(frame.filename)}, line {frame.lineno}, in {frame.name}: {frame.line}"
+            break
+    try:
+        message = str(exc)[:2000]
+    except Exception:
+        message = "?"
+    return {"type": type(exc).__name__, "builtin": builtin, "message": message, "where": where}
+
+
+def main(fd: int, reference_dir: str) -> None:
+    import torch
+
+    from . import guard, wire
+    from .impl import _exercise_file, load_exercise, resolve_impl
+
+    torch.set_grad_enabled(False)           # as in the grader's own tests
+    torch.set_num_threads(1)
+    sock = socket.socket(fileno=fd)
+    modules: dict[str, object] = {}          # "ex01" -> the submission's module
+    references: dict[str, object] = {}
+
+    def submission_files():
+        return {m.__file__ for m in modules.values()}
+
+    def resolve(ref):
+        kind, module, name = ref
+        if kind != "exercise" or module not in modules:
+            raise ValueError(f"unknown function reference {ref!r}")
+        return getattr(modules[module], name)
+
+    def reference_for(module: str):
+        if module not in references:
+            try:
+                references[module] = load_exercise(module, impl=reference_dir)
+            except Exception:
+                references[module] = None
+        return references[module]
+
+    while True:
+        try:
+            request = wire.from_grader(wire.recv(sock), resolve)
+        except ConnectionError:
+            return
+        reply: dict
+        try:
+            if request["op"] == "load":
+                name = request["module"]
+                path = _exercise_file(resolve_impl(), name)
+                module = load_exercise(name)
+                modules[name] = module
+                functions = sorted(k for k, v in vars(module).items()
+                                   if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == module.__name__)
+                reply = {"ok": True, "value": {"functions": functions, "file": path.name}}
+            elif request["op"] == "call":
+                kind, *where = request["target"]
+                swaps = []
+                if kind == "exercise":
+                    module_name, fn_name = where
+                    fn = getattr(modules[module_name], fn_name)
+                    for key, module in modules.items():
+                        swaps += guard.swaps_for(request.get("exercise"), module, reference_for(key), fn_name)
+                else:
+                    module_name, _, fn_name = where[0].partition(":")
+                    if not module_name.startswith("toyllm."):
+                        raise ValueError(f"harness functions live in toyllm, got {where[0]!r}")
+                    fn = getattr(importlib.import_module(module_name), fn_name)
+                with guard.rules(request.get("exercise"), request.get("forbidden", ()), submission_files(),
+                                 swaps) as violations:
+                    try:
+                        value = fn(*request["args"], **request["kwargs"])
+                        reply = {"ok": True, "value": value}
+                    except BaseException as e:        # SystemExit included: it is the submission's answer
+                        reply = {"ok": False, "error": _error(e, submission_files())}
+                reply["violations"] = list(violations)
+            else:
+                raise ValueError(f"unknown request {request.get('op')!r}")
+        except BaseException as e:
+            reply = {"ok": False, "error": _error(e, submission_files())}
+        try:
+            payload = wire.to_grader(reply)
+        except Exception as e:
+            payload = wire.to_grader({"ok": False, "error": _error(e, ())})
+        sys.stdout.flush()
+        sys.stderr.flush()
+        wire.send(sock, payload)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2])

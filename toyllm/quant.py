@@ -1,0 +1,232 @@
+"""Weight formats: the same model with fewer bytes per weight.
+
+Decoding one token multiplies every weight matrix by one vector, so each
+weight is read once per token and does two floating-point operations. On a
+CPU that is far too little arithmetic to hide the memory traffic: a decode
+step takes about (bytes of weights) / (memory bandwidth) seconds, and
+storing each weight in fewer bytes makes decoding faster in proportion.
+
+Formats (``WEIGHT_FORMATS``), all for the matrices of ``nn.Linear`` layers:
+
+- "fp32": 4 bytes per weight, the reference (the model as loaded).
+- "bf16": 2 bytes; bfloat16 keeps float32's exponent range and 8 bits of
+  mantissa. Each matmul casts its input to bfloat16 and its output back.
+- "fp16": 2 bytes; half precision, with 11 bits of mantissa but a range up
+  to 65504 (plenty for these weights). FBGEMM's kernel reads half-precision
+  weights and keeps the activations in float32.
+- "int8": 1 byte plus a bfloat16 scale per output channel (row):
+  ``w[o, i] ~= scale[o] * q[o, i]`` with ``q`` in [-127, 127] and
+  ``scale[o] = max_i |w[o, i]| / 127``; weight-only, as in gpt-fast: the
+  activations are not quantized.
+
+Only the linear layers change. Norms, RoPE, attention, the residual stream
+and the logits stay float32; the embedding table stays float32 too (a
+decode step reads one row of it). With tied embeddings the output
+projection gets its own converted copy of the table.
+
+The kernels: PyTorch has several CPU paths for each format, and at batch 1
+they differ by large factors. Used here, the fastest measured on an x86 CPU
+that keep the accuracy: oneDNN's prepacked linear for bf16, FBGEMM's
+(``torch.ops.quantized``) for fp16, ``torch.ops.aten._weight_int8pack_mm``
+for int8. Where oneDNN or FBGEMM is missing (an ARM laptop has no FBGEMM),
+bf16 and fp16 fall back to ``F.linear`` in that type: the same results up to
+rounding, maybe slower.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+WEIGHT_FORMATS = ("fp32", "bf16", "fp16", "int8")
+BYTES_PER_WEIGHT = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
+
+
+def check_weight_format(weights: str) -> None:
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format weights={weights!r}; choose one of {list(WEIGHT_FORMATS)}")
+
+
+def _fbgemm() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def _onednn_bf16() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class _ConvertedLinear(nn.Module):
+    """Base of the converted layers: ``forward(x (..., in)) -> (..., out)`` in float32, like ``nn.Linear``.
+
+    exact_top (for an output projection): kernels that write bfloat16
+    outputs round a logit near 25 to a multiple of 0.125, and the two best
+    tokens can be closer than that (SmolLM2's first answer token to "What is
+    the capital of France?" leads by 0.08), so rounding alone could change a
+    greedy choice. With exact_top=k the k largest outputs of each row are
+    recomputed in float32 from the same stored weights: a (k, in) slice, a
+    negligible read next to the whole matrix.
+    """
+
+    fmt = "fp32"
+    kernel = "F.linear"
+    bf16_outputs = False     # does the kernel round its outputs to bfloat16 (so exact_top applies)?
+
+    def __init__(self, in_features: int, out_features: int, exact_top: int = 0):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.exact_top = min(exact_top, out_features)
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes of weights (and scales) a matrix-vector product reads."""
+        return self.in_features * self.out_features * BYTES_PER_WEIGHT[self.fmt]
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """The stored weights of output channels ``index`` (...,) as float32 (..., in)."""
+        raise NotImplementedError
+
+    def _exact_top(self, x, y):
+        if self.exact_top:
+            top = y.topk(self.exact_top, dim=-1).indices                     # (..., k)
+            y.scatter_(-1, top, (self.rows(top) @ x.float().unsqueeze(-1)).squeeze(-1))
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
+                + (f", exact_top={self.exact_top}" if self.exact_top else ""))
+
+
+class BF16Linear(_ConvertedLinear):
+    """bfloat16 weights; each call rounds its input to bfloat16, and the kernel writes bfloat16 outputs."""
+
+    fmt = "bf16"
+    bf16_outputs = True
+
+    def __init__(self, weight: torch.Tensor, exact_top: int = 0):
+        super().__init__(weight.shape[1], weight.shape[0], exact_top)
+        self.weight = weight.detach().to(torch.bfloat16).contiguous()      # (out, in)
+        if _onednn_bf16():
+            try:   # a private op: prepacking puts the weight in oneDNN's blocked layout once, not every call
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
+                self.kernel = "onednn"
+                self(torch.zeros(1, self.in_features))
+            except (RuntimeError, AttributeError):
+                self.kernel = "F.linear"
+        if self.kernel == "onednn" and not self.exact_top:
+            self.weight = None                                              # the packed copy is all it reads
+
+    def rows(self, index):
+        return self.weight[index].float()
+
+    def forward(self, x):
+        xb = x.to(torch.bfloat16)
+        if self.kernel == "onednn":
+            y = torch.ops.mkldnn._linear_pointwise(xb, self.packed, None, "none", [], "")
+        else:
+            y = F.linear(xb, self.weight)
+        return self._exact_top(x, y.float())
+
+
+class FP16Linear(_ConvertedLinear):
+    """float16 weights. FBGEMM's kernel keeps the activations and outputs in float32."""
+
+    fmt = "fp16"
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__(weight.shape[1], weight.shape[0])
+        if _fbgemm():
+            self.kernel = "fbgemm"
+            self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float().contiguous(), None)
+        else:
+            self.weight = weight.detach().to(torch.float16).contiguous()
+
+    def forward(self, x):
+        if self.kernel == "fbgemm":
+            return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+        return F.linear(x.to(torch.float16), self.weight).float()
+
+
+def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantization with one scale per output channel: (q (out, in) int8, scale (out,) float32)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0                  # (out,)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # (out, in)
+    return q, scale
+
+
+class Int8Linear(_ConvertedLinear):
+    """Weight-only int8: int8 weights with per-channel scales, bfloat16 activations, the kernel gpt-fast uses.
+
+    ``torch.ops.aten._weight_int8pack_mm`` converts each weight to the
+    activations' type as it reads it. With float32 activations it has no
+    fast path (about 100x slower here), so inputs are rounded to bfloat16 and
+    outputs come back in bfloat16 (hence exact_top for the logits).
+    FBGEMM's dynamic int8 kernel measured faster still, but it quantizes
+    the activations too, with one scale for the whole input: SmolLM2's
+    outlier activations then cost too much accuracy (under half of the
+    teacher-forced top-1 predictions kept), so it is not used.
+    """
+
+    fmt = "int8"
+    kernel = "int8pack"
+    bf16_outputs = True
+
+    def __init__(self, weight: torch.Tensor, exact_top: int = 0):
+        super().__init__(weight.shape[1], weight.shape[0], exact_top)
+        self.q, scale = int8_per_channel(weight)                            # (out, in), (out,)
+        self.scale = scale.to(torch.bfloat16)
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes
+
+    def rows(self, index):
+        return self.q[index].float() * self.scale[index, None].float()
+
+    def forward(self, x):
+        shape = x.shape
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.q, self.scale)
+        return self._exact_top(x, y.float().view(*shape[:-1], self.out_features))
+
+
+EXACT_TOP_LOGITS = 32   # logits per row recomputed in float32 when a projection writes bfloat16 (_ConvertedLinear)
+CONVERTERS = {"bf16": BF16Linear, "fp16": FP16Linear, "int8": Int8Linear}
+
+
+@torch.no_grad()
+def convert_linears(model: nn.Module, weights: str) -> nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` (in place) by its ``weights`` format; returns the model.
+
+    "fp32" leaves the model as it is. A tied output projection gets its own
+    converted copy; the embedding table it shared stays float32.
+    """
+    check_weight_format(weights)
+    if weights == "fp32":
+        return model
+    convert = CONVERTERS[weights]
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                if child.bias is not None:
+                    raise ValueError(f"{name}.{child_name} has a bias; only bias-free linears are converted")
+                exact = child_name == "lm_head" and convert.bf16_outputs
+                extra = {"exact_top": EXACT_TOP_LOGITS} if exact else {}
+                setattr(module, child_name, convert(child.weight, **extra))
+    model.weight_format = weights
+    return model
+
+
+def weight_format(model: nn.Module) -> str:
+    """The format ``convert_linears`` gave ``model`` ("fp32" if none)."""
+    return getattr(model, "weight_format", "fp32")
+
+
+def linear_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the linear layers' weights (and scales): what one decode step must read, besides the KV cache."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            total += m.weight.numel() * m.weight.element_size()
+        elif isinstance(m, _ConvertedLinear):
+            total += m.weight_nbytes
+    return total
