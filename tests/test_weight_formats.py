@@ -170,24 +170,24 @@ def test_decode_bytes_per_token_counts_weights_embedding_row_and_kv():
     assert decode_bytes_per_token(model, 100, batch=3) == linear_weight_bytes(model) + 3 * (4 * cfg.d_model + kv)
 
 
-def test_benchmark_markdown_names_the_command_and_unmet_targets():
-    from toyllm.bench_decode import render_markdown
+def test_the_weights_and_batched_sections_render_their_verdicts_from_the_numbers():
+    from toyllm.bench import render_section
+    from toyllm.bench_decode import BLOG_TOY
 
-    rows = [{"format": f, "bytes_per_token": b, "tokens_per_s": t, "bound_tokens_per_s": 1e9 / b, "vs_fp32": t / 10,
-             "paris": True, "same_as_fp32": True} for f, b, t in [("fp32", 5.4e8, 10.0), ("bf16", 2.7e8, 15.0)]]
-    data = {"threads": 1, "quick": True,
-            "formats": {"bandwidth_bytes_per_s": 1e9, "prompt_len": 37, "new_tokens": 16, "rounds": 2,
-                        "attention": "sdpa", "rows": rows},
-            "batch1": {"config": load_model("tiny")[0].config.to_dict(), "prompt_len": 64, "new_tokens": 8,
-                       "naive_s": 1.0, "cached_s": 0.05, "speedup": 20.0, "identical": True},
-            "blog": {"config": load_model("tiny")[0].config.to_dict(), "prompts": 10, "prompt_len": 50,
-                     "new_tokens": 100, "attention": "sdpa", "naive_s": 1.0, "cached_s": 0.1, "speedup": 10.0,
-                     "identical": True}}
-    text = render_markdown(data, "python -m toyllm.bench_decode --quick")
-    assert "`python -m toyllm.bench_decode --quick`" in text
-    assert "bf16 vs float32: 1.50x (target >= 1.6x: **not met**)" in text
-    assert "| 20.0x | yes | target >= 10x: met |" in text
-    assert "target >= 20x: **not met**" in text
+    rows = [{"format": f, "bytes_per_token": b, "tokens_per_s": t, "floor_tokens_per_s": 1e9 / b, "vs_fp32": t / 10,
+             "paris": p, "same_as_fp32": p} for f, b, t, p in [("fp32", 5.4e8, 10.0, True), ("bf16", 2.7e8, 15.0, True),
+                                                               ("int8", 1.4e8, 30.0, False)]]
+    weights = {"bandwidth_bytes_per_s": 1e9, "threads": 2, "prompt_len": 37, "new_tokens": 16, "rounds": 2,
+               "attention": "dense", "rows": rows, "best": rows[1]}
+    text = render_section("weights", weights)
+    assert "| bf16 | 270 | 3.7 | 15.0 | 405% | 1.50x | yes | yes |" in text
+    assert "| int8 | 140 | 7.1 | 30.0 | 420% | 3.00x | no | no |" in text
+    assert 'still answers "Paris" is bf16: 15.0 tokens/s, 1.50x faster than float32' in text
+    assert "No format answered" in render_section("weights", {**weights, "best": None})
+    batched = {"prompts": 10, "prompt_len": 50, "new_tokens": 100, "config": BLOG_TOY.to_dict(), "threads": 2,
+               "naive_s": 3.0, "cached_s": 0.25, "speedup": 12.0, "identical": True}
+    assert "| 10 x 50 | 3.00 | 0.25 | 12.0x | True |" in render_section("batched", batched)
+    assert "12.00x faster than recomputing" in render_section("batched", batched)
 
 
 @pytest.mark.parametrize("weights, exact", [("bf16", True), ("int8", True), ("fp16", False)])

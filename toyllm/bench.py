@@ -298,8 +298,49 @@ def bench_kernels(quick: bool = False) -> dict:
     return {"rows": rows}
 
 
+def bench_weights(quick: bool = False) -> dict:
+    """SmolLM2 decode tokens/s per weight format beside the memory-bandwidth floor (lesson 03's roofline)."""
+    from .bench_decode import copy_bandwidth, smollm2_formats
+
+    bandwidth = copy_bandwidth()
+    data = smollm2_formats(new_tokens=16 if quick else 32, rounds=2 if quick else 5)
+    fp32 = data["rows"][0]["tokens_per_s"]
+    for row in data["rows"]:
+        row["floor_tokens_per_s"] = bandwidth / row["bytes_per_token"]
+        row["vs_fp32"] = row["tokens_per_s"] / fp32
+        _progress({k: v for k, v in row.items() if k in ("format", "tokens_per_s", "floor_tokens_per_s")})
+    answering = [r for r in data["rows"] if r["paris"]]
+    data["best"] = max(answering, key=lambda r: r["tokens_per_s"]) if answering else None
+    return {"bandwidth_bytes_per_s": bandwidth, "threads": torch.get_num_threads(), **data}
+
+
+def bench_batched(quick: bool = False) -> dict:
+    """The KV-cache blog's experiment: a batch of prompts on its toy's shape, naive vs cached (seconds, one run).
+
+    Naive recomputes every prefix: its causal squares go to PyTorch's fused
+    kernel (sdpa) rather than a (prompts, T, T) score tensor, 900 MB at
+    10000 x 150 x 150 in float32. quick: 500 prompts instead of 10000.
+    """
+    from .bench_decode import BLOG_NEW_TOKENS, BLOG_PROMPT_LEN, BLOG_PROMPTS, BLOG_TOY
+    from .generation import generate
+
+    n = 500 if quick else BLOG_PROMPTS
+    prompts = torch.randint(0, BLOG_TOY.vocab_size, (n, BLOG_PROMPT_LEN), generator=torch.Generator().manual_seed(0))
+    model = build_model(BLOG_TOY, attention="sdpa")
+    seconds, outs = {}, {}
+    for method in ("naive", "cached"):
+        t0 = time.perf_counter()
+        outs[method] = [r.output_ids for r in generate(model, prompts, BLOG_NEW_TOKENS, method=method)]
+        seconds[method] = time.perf_counter() - t0
+    row = {"prompts": n, "prompt_len": BLOG_PROMPT_LEN, "new_tokens": BLOG_NEW_TOKENS, "config": BLOG_TOY.to_dict(),
+           "threads": torch.get_num_threads(), "naive_s": seconds["naive"], "cached_s": seconds["cached"],
+           "speedup": seconds["naive"] / seconds["cached"], "identical": outs["naive"] == outs["cached"]}
+    _progress({k: v for k, v in row.items() if k != "config"})
+    return row
+
+
 SECTIONS = {"generation": bench_generation, "first_token": bench_first_token, "prefill": bench_prefill,
-            "search": bench_search, "kernels": bench_kernels}
+            "search": bench_search, "kernels": bench_kernels, "weights": bench_weights, "batched": bench_batched}
 
 
 def _progress(row: dict) -> None:

@@ -45,7 +45,7 @@ def run_tsp(engine_run, step, p, chunks, seed=0, n_kv_heads=2):
     got, ref_cache = engine_run(step, "4.2", "tsp", p, chunks, seed=seed, spec=spec)
     for layer, ((k, v), (k_ref, v_ref)) in enumerate(zip(got.kv_cache, ref_cache)):
         assert k.shape == k_ref.shape and (k - k_ref).abs().max() < ATOL and (v - v_ref).abs().max() < ATOL, \
-            f"tsp_layer, p={p}, chunks {chunks}: layer {layer}'s K/V should cover the whole context {tuple(k_ref.shape)}"
+            f"Exercise 4.2, tsp_layer, p={p}, chunks {chunks}: layer {layer}'s K/V should cover the whole context {tuple(k_ref.shape)}"
 
 
 @pytest.mark.exercise("4.2")

@@ -76,7 +76,7 @@ def test_ex5_2_posts_the_receive_before_the_projection(ex05, engine_run):
     got, _ = engine_run(ex05.kvr_layer, "5.2", "kvr", 2, [30, 10], seed=6)
     wrong = [(rank, layer) for rank, layer, posted_first, waited_after in _order(got, 2)
              if not (posted_first and waited_after)]
-    assert not wrong, (f"kvr_layer, p=2: in layers {[l for _, l in wrong]} of rank 1 the receive was not posted "
+    assert not wrong, (f"Exercise 5.2, kvr_layer, p=2: in layers {[l for _, l in wrong]} of rank 1 the receive was not posted "
                        "with chain.irecv() before layer.qkv and waited for after it, so nothing overlaps")
 
 

@@ -6,10 +6,15 @@ this order: the folder named by ``TOYLLM_COURSE_DIR``; the current
 directory or the nearest folder above it that holds all three (so a
 notebook in ``notebooks/`` finds its course); the folder above the
 installed package (an editable install inside the checkout).
+
+It also says which implementation of the exercises runs: ``TOYLLM_IMPL``
+is ``exercises`` (the default), ``solutions`` or a folder of ``exNN_*.py``
+files (``resolve_impl``).
 """
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 COURSE_ENV = "TOYLLM_COURSE_DIR"
@@ -49,3 +54,51 @@ def solutions_dir() -> Path:
 
 def grading_tests_dir() -> Path:
     return course_root() / "tests" / "grading"
+
+
+IMPL_ENV = "TOYLLM_IMPL"
+DEFAULT_IMPL = "exercises"
+NAMED_IMPLS = {"exercises": exercises_dir, "solutions": solutions_dir}
+
+
+def resolve_impl(impl: str | os.PathLike | None = None) -> Path:
+    """The folder of implementation ``impl`` (default: ``$TOYLLM_IMPL``, else ``exercises``).
+
+    ``"exercises"`` and ``"solutions"`` name the repository's folders; any
+    other value is a path to a folder (relative to the current directory)
+    that holds ``exNN_*.py`` files.
+    """
+    if impl is None:
+        impl = os.environ.get(IMPL_ENV) or DEFAULT_IMPL
+    impl = str(impl)
+    if impl in NAMED_IMPLS:
+        folder = NAMED_IMPLS[impl]()
+    else:
+        folder = Path(impl).expanduser().resolve()
+    if not folder.is_dir():
+        raise ValueError(f"implementation {impl!r} is not a folder; use 'exercises', 'solutions' or the path "
+                         f"of a folder that holds exNN_*.py files (set with {IMPL_ENV} or --impl)")
+    return folder
+
+
+def current_impl() -> str:
+    """The implementation ``load_exercise`` uses now: ``exercises``, ``solutions`` or a folder path."""
+    return os.environ.get(IMPL_ENV) or DEFAULT_IMPL
+
+
+def _exercise_file(folder: Path, name: str) -> Path:
+    """``folder/exNN_*.py`` for ``name`` = "ex01", "ex01_naive_generation" or "1"."""
+    stem = name[:-3] if name.endswith(".py") else name
+    if stem.isdigit():
+        stem = f"ex{int(stem):02d}"
+    if not re.fullmatch(r"ex\d\d(_\w+)?", stem):
+        raise ValueError(f"exercise module name must look like 'ex01' or 'ex01_naive_generation', got {name!r}")
+    exact = folder / f"{stem}.py"
+    if exact.is_file():
+        return exact
+    matches = sorted(folder.glob(f"{stem}_*.py")) if len(stem) == 4 else []
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise ValueError(f"no file for exercise module {name!r} in {folder} (expected {stem}_*.py)")
+    raise ValueError(f"exercise module {name!r} is ambiguous in {folder}: {[m.name for m in matches]}")

@@ -10,7 +10,7 @@ the standard library, so it starts fast. As root it
    a ``/root`` of mode 0700 holding pyenv) are opened with only the entries
    Python needs;
 2. drops to the sandbox user (no supplementary groups);
-3. starts over as that user: ``sandbox._serve`` sets the limits and serves.
+3. starts over as that user: ``server.serve`` sets the limits and serves.
 
 No submitted code runs before step 3.
 """
@@ -115,7 +115,7 @@ def main() -> None:
         os.setgroups([])
         os.setgid(gid)
         os.setuid(uid)
-    os.execv(sys.executable, [sys.executable, "-c", "from toyllm.grading.sandbox import _serve; _serve()",
+    os.execv(sys.executable, [sys.executable, "-c", "from toyllm.grading.server import serve; serve()",
                               fd, reference, parent_pid, limits])
 
 

@@ -317,27 +317,6 @@ def _rebuild_error(error: dict) -> Exception:
     return exc
 
 
-def _serve() -> None:
-    """The sandbox process once it runs as the sandbox user (see ``launcher``): limits first, then serve."""
-    import resource
-
-    fd, reference, parent_pid, limits = sys.argv[1:5]
-    memory_mb, cpu_s, file_bytes, nproc = (int(x) for x in limits.split(","))
-    PR_SET_PDEATHSIG = 1
-    _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)        # the grader's test process died: so do we
-    if os.getppid() != int(parent_pid):
-        os._exit(1)
-    resource.setrlimit(resource.RLIMIT_AS, (memory_mb * 2**20,) * 2)
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 5))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes,) * 2)
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    if nproc:
-        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-    from .server import main
-
-    main(int(fd), reference)
-
-
 # --------------------------------------------------------------------------- the proxies tests see
 
 _sandbox: Sandbox | None = None
@@ -346,8 +325,7 @@ _sandbox: Sandbox | None = None
 def _get_sandbox() -> Sandbox:
     global _sandbox
     if _sandbox is None:
-        from .course import solutions_dir
-        from .impl import resolve_impl
+        from .course import resolve_impl, solutions_dir
 
         try:
             reference = solutions_dir()
@@ -392,7 +370,7 @@ class RemoteModule:
     """The submission's exercise module as the graded tests see it: attribute access gives ``RemoteFunction``s."""
 
     def __init__(self, name: str):
-        from .impl import _exercise_file, resolve_impl
+        from .course import _exercise_file, resolve_impl
 
         self._name = name
         self.__file__ = _exercise_file(resolve_impl(), name)

@@ -20,9 +20,12 @@ from __future__ import annotations
 import builtins
 import importlib
 import os
+import signal
 import socket
 import sys
 import traceback
+
+from .launcher import _libc
 
 
 def _error(exc: BaseException, files) -> dict:
@@ -119,3 +122,22 @@ def main(fd: int, reference_dir: str) -> None:
 
 if __name__ == "__main__":
     main(int(sys.argv[1]), sys.argv[2])
+
+
+def serve() -> None:
+    """The sandbox process once it runs as the sandbox user (see ``launcher``): limits first, then serve."""
+    import resource
+
+    fd, reference, parent_pid, limits = sys.argv[1:5]
+    memory_mb, cpu_s, file_bytes, nproc = (int(x) for x in limits.split(","))
+    PR_SET_PDEATHSIG = 1
+    _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)        # the grader's test process died: so do we
+    if os.getppid() != int(parent_pid):
+        os._exit(1)
+    resource.setrlimit(resource.RLIMIT_AS, (memory_mb * 2**20,) * 2)
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 5))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes,) * 2)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if nproc:
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    main(int(fd), reference)
