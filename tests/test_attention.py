@@ -117,17 +117,17 @@ def test_an_unknown_kernel_lists_the_choices():
         get_attention("flash9")
 
 
-def test_the_kernel_benchmark_table_has_a_row_per_shape_and_names_its_command():
-    from toyllm.bench_kernels import KERNELS, SPLITS, attention_kernels_markdown, measure_attention_kernels
+def test_the_attention_benchmark_has_a_row_per_shape():
+    from toyllm.bench import ATTENTION_BENCH_KERNELS, ATTENTION_BENCH_SPLITS, bench_attention, render_section
 
-    data = measure_attention_kernels(contexts=(64, 96), repeats=1)
-    text = attention_kernels_markdown(data, "python -m toyllm.bench_kernels --quick")
+    data = bench_attention(contexts=(64, 96), repeats=1)
+    text = render_section("attention", data)
     rows = [line for line in text.splitlines() if line.startswith("| 64 |") or line.startswith("| 96 |")]
-    assert len(rows) == 2 * (1 + 2 * len(SPLITS))               # the square, then rank 0 and rank 1 per split
-    assert "| 96 | split 68: rank 1, rectangle |" in text     # round(0.707 * 96) = 68
+    assert len(rows) == 2 * (1 + 2 * len(ATTENTION_BENCH_SPLITS))   # the square, then rank 0 and rank 1 per split
+    assert "| 96 | split 68: rank 1, rectangle |" in text             # round(0.707 * 96) = 68
     assert all(t > 0 for c in data["contexts"] for sp in c["splits"] for t in sp["rank1"].values())
-    assert set(data["contexts"][0]["square"]) == {*KERNELS, "sdpa_2_threads"}
-    assert "Produced by `python -m toyllm.bench_kernels --quick`" in text
+    assert set(data["contexts"][0]["square"]) == {*ATTENTION_BENCH_KERNELS, "sdpa_2_threads"}
+    assert "- C = 96: one process with sdpa's causal kernel takes" in text
 
 
 def test_positions_with_a_repeat_are_not_taken_for_a_contiguous_run():

@@ -11,7 +11,11 @@ Static checks (fast) on every notebook in ``notebooks/``:
 Execution (slow): each notebook runs top to bottom in a fresh kernel of this
 interpreter, in ``notebooks/``, with TOYLLM_FAST=1 (smaller experiments, no
 skipped cells) and TOYLLM_IMPL=solutions (the model answers, so the exercise
-cells pass), and no cell may raise.
+cells pass), and no cell may raise. When the same pytest run also runs the
+browser test (``tests/browser``, Chromium installed), that test already
+runs every notebook top to bottom, in JupyterLab, with the same settings and
+the same checks and more; running each one a second time here would only
+double the suite's longest part, so this execution is then left to it.
 """
 from __future__ import annotations
 
@@ -105,6 +109,17 @@ def test_exercise_headings_match_the_grader_and_are_graded(path):
 
 # --------------------------------------------------------------------------- execution
 
+def _browser_runs(session, path: Path) -> bool:
+    """Will the browser test of this session run ``path``? (collected, selenium installed, Chromium present)"""
+    import importlib.util
+
+    if importlib.util.find_spec("selenium") is None:
+        return False
+    if not (Path("/usr/bin/chromium").exists() and Path("/usr/bin/chromedriver").exists()):
+        return False
+    return any(item.get_closest_marker("browser") is not None and path.stem in item.nodeid for item in session.items)
+
+
 @pytest.fixture(scope="module")
 def kernel_spec_manager(tmp_path_factory):
     """A kernelspec that starts ipykernel with *this* interpreter (the venv's), whatever else is installed."""
@@ -122,9 +137,12 @@ def kernel_spec_manager(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
-def test_notebook_runs_top_to_bottom(path, kernel_spec_manager, monkeypatch):
+def test_notebook_runs_top_to_bottom(path, kernel_spec_manager, monkeypatch, request):
     from jupyter_client.manager import KernelManager
     from nbclient import NotebookClient
+
+    if _browser_runs(request.session, path):
+        pytest.skip(f"{path.name} runs top to bottom in JupyterLab in this session (tests/browser)")
 
     for key, value in RUN_ENV.items():
         monkeypatch.setenv(key, value)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from .attention import ATTENTION_KERNELS
 from .launch import WorkerPool
 from .model import ModelConfig, build_model, get_config
 from .utils import median_time, random_prompt
@@ -298,6 +299,86 @@ def bench_kernels(quick: bool = False) -> dict:
     return {"rows": rows}
 
 
+ATTENTION_BENCH_KERNELS = ("dense", "sdpa", "blockwise", "causal")
+ATTENTION_BENCH_SPLITS = (0.5, 0.707)        # rank 0's share of the context for p = 2; 0.707 balances skipping kernels
+
+
+def interleaved_medians(fns: dict, repeats: int) -> dict:
+    """Median seconds of each ``fn()``, one warm-up each, then timed in turns (a, b, c, a, b, c, ...).
+
+    Taking turns makes a slow spell of a shared machine hit every kernel alike,
+    so their ratios hold even when the absolute times drift.
+    """
+    runs = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            runs[name].append(time.perf_counter() - t)
+    return {name: statistics.median(r) for name, r in runs.items()}
+
+
+@contextmanager
+def _threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def bench_attention(quick: bool = False, contexts: tuple[int, ...] | None = None, repeats: int = 5) -> dict:
+    """Attention kernels alone: seconds (medians) of each on each shape a p = 2 prefill of C tokens needs, one thread.
+
+    Where KV-Runahead's advantage comes from: one process computes the causal
+    square of the prompt, a rank r > 0 a rectangle (its chunk's queries
+    against every key before them). A kernel that skips masked pairs does
+    half the square's work, so the parallel ranks keep their edge only if
+    their rectangles skip too. Kernels are timed in turns
+    (``interleaved_medians``).
+
+    Per context C: the one-process causal square of C ("square", and sdpa's
+    time for it on two threads: what one process gets from both cores); per
+    split s = share * C, rank 0's causal square of s and rank 1's rectangle,
+    queries [s, C) x keys [0, C). ``contexts`` overrides the quick/full choice.
+    """
+    cfg = get_config("bench")
+    H, D = cfg.n_heads, cfg.head_dim
+    contexts = contexts or ((1024, 2048, 4096) if quick else (2048, 4096, 8192))
+    g = torch.Generator().manual_seed(0)
+
+    def timed(q, k, v, a: int, b: int) -> dict:
+        """Every kernel on queries [a, b) x keys [0, b), one thread; for the whole square also sdpa on two."""
+        args = (q[..., a:b, :], k[..., :b, :], v[..., :b, :], torch.arange(a, b), torch.arange(b))
+        fns = {n: lambda f=ATTENTION_KERNELS[n]: f(*args) for n in ATTENTION_BENCH_KERNELS}
+
+        def sdpa_two_threads():                  # what one process gets from both cores
+            with _threads(2):
+                ATTENTION_KERNELS["sdpa"](*args)
+
+        if (a, b) == (0, q.shape[-2]):
+            fns["sdpa_2_threads"] = sdpa_two_threads
+        with _threads(1):
+            times = interleaved_medians(fns, repeats)
+        print(f"  queries [{a}, {b}) x keys [0, {b}): " + ", ".join(f"{n} {t:.3f} s" for n, t in times.items()),
+              flush=True)
+        return times
+
+    results = []
+    for C in contexts:
+        q, k, v = (torch.randn(1, H, C, D, generator=g) for _ in range(3))   # (1, H, C, D)
+        splits = []
+        for share in ATTENTION_BENCH_SPLITS:
+            s = round(share * C)
+            splits.append({"share": share, "rank0": timed(q, k, v, 0, s), "rank1": timed(q, k, v, s, C)})
+        results.append({"context": C, "square": timed(q, k, v, 0, C), "splits": splits})
+    return {"heads": H, "head_dim": D, "repeats": repeats, "kernels": list(ATTENTION_BENCH_KERNELS),
+            "contexts": results}
+
+
 def bench_weights(quick: bool = False) -> dict:
     """SmolLM2 decode tokens/s per weight format beside the memory-bandwidth floor (lesson 03's roofline)."""
     from .bench_decode import copy_bandwidth, smollm2_formats
@@ -340,7 +421,8 @@ def bench_batched(quick: bool = False) -> dict:
 
 
 SECTIONS = {"generation": bench_generation, "first_token": bench_first_token, "prefill": bench_prefill,
-            "search": bench_search, "kernels": bench_kernels, "weights": bench_weights, "batched": bench_batched}
+            "search": bench_search, "kernels": bench_kernels, "attention": bench_attention, "weights": bench_weights,
+            "batched": bench_batched}
 
 
 def _progress(row: dict) -> None:
