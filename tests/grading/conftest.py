@@ -127,6 +127,19 @@ def engine_run():
     return run
 
 
+@pytest.fixture(scope="module", autouse=True)
+def engine_workers_end_with_the_module():
+    """The engine's worker processes, kept for a lesson's tests, end with its test file.
+
+    Under the grader they live in the sandbox and end with it; in a plain
+    pytest run they would otherwise outlive the graded tests.
+    """
+    yield
+    from toyllm.grading import harness
+
+    harness.close_pools()
+
+
 @pytest.fixture
 def tiny_model():
     """A fresh, seeded copy of the "tiny" preset per test (exercises may swap its attention)."""

@@ -75,6 +75,12 @@ def parallel_prefill(spec, ids, method: str, p: int, chunks, **kwargs):
     return result
 
 
+def close_pools() -> None:
+    """End the workers ``parallel_prefill`` kept (a lesson's graded tests are over)."""
+    while _pools:
+        _pools.popitem()[1].close()
+
+
 # --------------------------------------------------------------------------- lessons 06-07: searches
 
 def counted(fn, cost, *args, **kwargs) -> dict:
