@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from .analysis import kv_cache_bytes
 from .generation import generate
 from .model import ModelConfig
 from .quant import WEIGHT_FORMATS, linear_weight_bytes
@@ -42,7 +43,7 @@ def decode_bytes_per_token(model, context: int, batch: int = 1) -> int:
     """Bytes one decode step reads at ``context`` tokens: every linear weight, one embedding row per
     sequence, and the K and V of every cached token (float32)."""
     cfg = model.config
-    kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * context * 4 * batch
+    kv = kv_cache_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, context, bytes_per_value=4, batch=batch)
     return linear_weight_bytes(model) + batch * cfg.d_model * 4 + kv
 
 

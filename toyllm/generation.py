@@ -99,14 +99,23 @@ def prefill(model, ids: torch.Tensor, cache) -> torch.Tensor:
     The new tokens take positions ``cache.length`` onwards, so a prompt can be
     prefilled in several chunks and the result equals one pass over it all.
     """
-    return model(ids, input_pos=cache.length, cache=cache, last_only=True)[0, -1]
+    return _prefill_batch(model, ids, cache)[0]
+
+
+def _prefill_batch(model, ids: torch.Tensor, cache) -> torch.Tensor:
+    """``prefill`` for prompts ids (B, T): the last logits of each, (B, vocab)."""
+    return model(ids, input_pos=cache.length, cache=cache, last_only=True)[:, -1]
 
 
 @torch.no_grad()
 def decode_step(model, token: int, cache) -> torch.Tensor:
     """Feed one new token at position ``cache.length``; returns its logits (vocab,)."""
-    ids = torch.tensor([[token]], device=model.rope_cos.device)
-    return model(ids, input_pos=cache.length, cache=cache)[0, -1]
+    return _decode_batch(model, torch.tensor([[token]], device=model.rope_cos.device), cache)[0]
+
+
+def _decode_batch(model, tokens: torch.Tensor, cache) -> torch.Tensor:
+    """``decode_step`` for one new token per sequence, tokens (B, 1): logits (B, vocab)."""
+    return model(tokens, input_pos=cache.length, cache=cache)[:, -1]
 
 
 # --------------------------------------------------------------------------- the loop
@@ -225,11 +234,11 @@ def generate(model, prompt_ids: list[int] | list[list[int]], max_new_tokens: int
         if method == "naive":
             logits = model(seq[:, :end], input_pos=0, last_only=True)[:, -1]             # (B, vocab)
         elif step > 0:
-            logits = model(seq[:, end - 1:end], input_pos=cache.length, cache=cache)[:, -1]
+            logits = _decode_batch(model, seq[:, end - 1:end], cache)
         elif prefilled_logits is not None:
             logits = prefilled_logits.reshape(B, -1)
         else:
-            logits = model(seq[:, :T], input_pos=cache.length, cache=cache, last_only=True)[:, -1]
+            logits = _prefill_batch(model, seq[:, :T], cache)
         tokens = sample_next_tokens(logits, temperature, top_k, top_p, gen)            # (B,)
         seq[:, end] = tokens
         step_times.append(time.perf_counter() - t_step)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .course import course_root, grading_tests_dir
 from .impl import IMPL_ENV, NAMED_IMPLS, current_impl, resolve_impl
-from .course import COURSE_ENV, solutions_dir
+from .course import COURSE_ENV
 from .plugin import _EXERCISE_ID, _EXERCISES_ENV, _LESSON_ENV, _LOG_ENV
 from .sandbox import DEFAULT_MEMORY_MB, MEMORY_ENV, SANDBOX_ENV, TIMEOUT_ENV, HIDE_ENV, _namespaces_work, _sandbox_user, isolation
 

@@ -33,7 +33,6 @@ Test authors reach trusted helpers that must run next to the submission
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
