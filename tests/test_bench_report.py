@@ -45,3 +45,24 @@ def test_a_difference_within_one_percent_is_called_a_tie():
     assert _than(1.427 / 1.420) == "as fast (1.005x) as"
     assert _than(0.995) == "as fast (0.995x) as"
     assert _than(1.2) == "1.20x faster than" and _than(0.8) == "1.25x slower than"
+
+
+def _decode_step(speedup):
+    compile_ = {"eager": {"ok": True, "step_s": 0.050, "speedup": 1.0},
+                "whole": {"ok": False, "reason": "NameError: name 's0' is not defined"},
+                "parts": {"ok": True, "compile_s": 9.0, "step_s": 0.050 / speedup, "speedup": speedup}}
+    row = {"format": "fp32", "step_s": 0.050, "top_level_calls": 1997.0, "all_calls": 6500.0,
+           "bytes_allocated": 2.07e6, "matmul_share": 0.85, "compile": compile_,
+           "top": [{"op": "aten::mm", "calls": 211.0, "share": 0.83}, {"op": "aten::bmm", "calls": 60.0, "share": 0.02},
+                   {"op": "aten::mul", "calls": 212.0, "share": 0.01}]}
+    return {"threads": 2, "n_layers": 30, "rows": [row]}
+
+
+def test_decode_step_section_offers_compile_only_when_it_is_faster():
+    slower = render_section("decode_step", _decode_step(0.94))
+    assert "| fp32 | 50.0 | 1997 (67 per layer) | 6500 | 2.07 | 85% | aten::mm 83%, aten::bmm 2%, aten::mul 1% |" in slower
+    assert "at most 1.18x faster" in slower and "1.06x slower than eager" in slower
+    assert "| fp32 | 50.0 | failed: NameError: name 's0' is not defined | 53.2 ms, 1.06x slower than eager" in slower
+    assert "toyllm does not offer it" in slower
+    faster = render_section("decode_step", _decode_step(1.3))
+    assert "1.30x faster than eager" in faster and "faster for fp32 here" in faster and "does not offer" not in faster

@@ -398,16 +398,17 @@ def bench_weights(quick: bool = False) -> dict:
 def bench_batched(quick: bool = False) -> dict:
     """The KV-cache blog's experiment: a batch of prompts on its toy's shape, naive vs cached (seconds, one run).
 
-    Naive recomputes every prefix: its causal squares go to PyTorch's fused
-    kernel (sdpa) rather than a (prompts, T, T) score tensor, 900 MB at
-    10000 x 150 x 150 in float32. quick: 500 prompts instead of 10000.
+    Both methods use the dense kernel, the course's default and the blog's
+    own attention (all of QK^T, then the causal mask); naive's score tensor
+    reaches (prompts, 1, 150, 150), 900 MB in float32 at 10000 prompts.
+    quick: 500 prompts instead of 10000.
     """
     from .bench_decode import BLOG_NEW_TOKENS, BLOG_PROMPT_LEN, BLOG_PROMPTS, BLOG_TOY
     from .generation import generate
 
     n = 500 if quick else BLOG_PROMPTS
     prompts = torch.randint(0, BLOG_TOY.vocab_size, (n, BLOG_PROMPT_LEN), generator=torch.Generator().manual_seed(0))
-    model = build_model(BLOG_TOY, attention="sdpa")
+    model = build_model(BLOG_TOY, attention="dense")
     seconds, outs = {}, {}
     for method in ("naive", "cached"):
         t0 = time.perf_counter()
@@ -420,9 +421,25 @@ def bench_batched(quick: bool = False) -> dict:
     return row
 
 
+def bench_decode_step(quick: bool = False) -> dict:
+    """Where SmolLM2's decode step spends its time (torch.profiler), and whether torch.compile speeds it up."""
+    from .bench_decode import compile_trial, profile_decode_step
+    from .weights import load_model
+
+    rows = []
+    for fmt in ("fp32", "fp16"):
+        model, _ = load_model("smollm2-135m", weights=fmt)
+        row = {"format": fmt, **profile_decode_step(model, steps=4 if quick else 16)}
+        row["compile"] = compile_trial(model, steps=8 if quick else 16, rounds=2 if quick else 5)
+        _progress({k: v for k, v in row.items() if k in ("format", "top_level_calls", "matmul_share", "step_s")})
+        _progress({"format": fmt, **row["compile"]})
+        rows.append(row)
+    return {"threads": torch.get_num_threads(), "n_layers": model.config.n_layers, "rows": rows}
+
+
 SECTIONS = {"generation": bench_generation, "first_token": bench_first_token, "prefill": bench_prefill,
             "search": bench_search, "kernels": bench_kernels, "attention": bench_attention, "weights": bench_weights,
-            "batched": bench_batched}
+            "batched": bench_batched, "decode_step": bench_decode_step}
 
 
 def _progress(row: dict) -> None:

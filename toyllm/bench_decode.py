@@ -4,19 +4,27 @@ SmolLM2's decode tokens/s for each weight format (``toyllm.quant``) beside
 lesson 03's roofline: a decode step must read every weight once, so it
 takes at least (bytes read per token) / (memory bandwidth) seconds. The
 bandwidth is measured here, by copying a buffer much larger than the
-caches. ``python -m toyllm bench --only weights|batched`` writes the
-tables of docs/benchmarks.md from these; the demo prints a short version.
+caches. ``profile_decode_step`` shows where a step's time goes (the
+torch.profiler's count of operator calls and bytes allocated, and the share
+spent in the matrix products), and ``compile_trial`` whether torch.compile
+makes the step faster. ``python -m toyllm bench --only
+weights|batched|decode_step`` writes the tables of docs/benchmarks.md from
+these; the demo prints a short version.
 Formats alternate round by round, so the ratios compare runs made under
 the same load.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import sys
+import time
+from contextlib import contextmanager
 
 import torch
 
 from .analysis import kv_cache_bytes
+from .cache import make_cache
 from .generation import generate
 from .model import ModelConfig
 from .quant import WEIGHT_FORMATS, linear_weight_bytes
@@ -95,3 +103,130 @@ def demo_decode_speed(formats=("fp32", "fp16", "bf16", "int8"), out=None) -> dic
               f"{best['tokens_per_s'] / rows['fp32']['tokens_per_s']:.1f}x float32's "
               f"{rows['fp32']['tokens_per_s']:.1f} tokens/s", file=out)
     return data
+
+
+# The operators that multiply by the weight matrices, one per weight format's kernel (toyllm.quant).
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "quantized::linear_dynamic_fp16",
+              "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm")
+
+
+def _decode_runner(model, prompt_len: int, steps: int):
+    """(fresh cache with a random prompt prefilled, feed one token) for timing ``steps`` decode steps."""
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
+    token = torch.tensor([[1]])
+
+    def fresh():
+        cache = make_cache("static", model.config, prompt_len + steps + 2)
+        model(ids, cache=cache, last_only=True)
+        return cache
+
+    return fresh, token
+
+
+@contextmanager
+def _quiet_stderr():
+    """Send file descriptor 2 to /dev/null for a while: the profiler's C++ side logs a line to it
+    whenever it starts or stops, which would clutter a lesson's output."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@torch.no_grad()
+def profile_decode_step(model, prompt_len: int = 38, steps: int = 8) -> dict:
+    """Where a decode step's time goes, by torch.profiler, per step (averages over ``steps`` steps).
+
+    Returns the operator calls the model's Python code makes (top level) and
+    all calls (nested ones included), the bytes those calls allocate, the
+    share of CPU time spent inside the operators that read the weights
+    (``MATMUL_OPS``: the linear layers, and bmm, the attention's two
+    products), the six operators with the most time, and the step's
+    seconds without the profiler (median over the same number of steps).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    fresh, token = _decode_runner(model, prompt_len, steps)
+    cache = fresh()
+    model(token, cache=cache)                                   # warm-up
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for _ in range(steps):
+            model(token, cache=cache)
+    events = prof.events()
+    table = prof.key_averages()
+    total_us = sum(e.self_cpu_time_total for e in table)
+    matmul_us = sum(e.self_cpu_time_total for e in table if e.key in MATMUL_OPS)
+    top = sorted(table, key=lambda e: -e.self_cpu_time_total)[:6]
+    cache = fresh()
+    seconds, _ = median_time(lambda: model(token, cache=cache), steps, warmup=1)
+    return {"top_level_calls": sum(1 for e in events if e.cpu_parent is None and e.name != "[memory]") / steps,
+            "all_calls": sum(1 for e in events if e.name != "[memory]") / steps,
+            "bytes_allocated": sum(max(e.self_cpu_memory_usage, 0) for e in table) / steps,
+            "matmul_share": matmul_us / total_us, "step_s": seconds,
+            "top": [{"op": e.key, "calls": e.count / steps, "share": e.self_cpu_time_total / total_us} for e in top]}
+
+
+@torch.no_grad()
+def compile_trial(model, prompt_len: int = 38, steps: int = 16, rounds: int = 3) -> dict:
+    """Is a decode step faster with torch.compile? Seconds per step, eager and compiled, alternating rounds.
+
+    Two ways are tried. "whole": ``torch.compile(model)`` asked for the decode
+    steps; the keys and values grow by a token every step, so it must compile
+    for a changing length. "parts": what keeps its shape from step to step,
+    each layer's projections and MLP (``Block.qkv``, ``Block.finish``), with
+    the attention left eager. A way that fails (no C++ compiler, or the
+    compiler's own error) is reported with its reason instead of a time; the
+    model is left as it was either way.
+    """
+    import torch._dynamo
+
+    fresh, token = _decode_runner(model, prompt_len, steps)
+    eager_methods = [(type(layer).qkv.__get__(layer), type(layer).finish.__get__(layer)) for layer in model.layers]
+
+    def use_parts(compiled: bool):
+        for layer, fns, plain in zip(model.layers, compiled_parts, eager_methods):
+            layer.qkv, layer.finish = fns if compiled else plain
+
+    def step_s(way):
+        use_parts(way == "parts")
+        forward = whole if way == "whole" else model
+        cache = fresh()
+        return median_time(lambda: forward(token, cache=cache), steps, warmup=2)[0]
+
+    def reason(exc):
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}"
+
+    result, ways = {"eager": {"ok": True}}, ["eager"]
+    try:
+        whole = torch.compile(model)
+        compiled_parts = [(torch.compile(layer.qkv, dynamic=False), torch.compile(layer.finish, dynamic=False))
+                          for layer in model.layers]
+        for way in ("whole", "parts"):
+            t0 = time.perf_counter()
+            try:
+                step_s(way)                                     # compiles here
+                result[way] = {"ok": True, "compile_s": time.perf_counter() - t0}
+                ways.append(way)
+            except Exception as exc:                            # no compiler, unsupported op, compiler bug
+                result[way] = {"ok": False, "reason": reason(exc)}
+        times = {way: [] for way in ways}
+        for _ in range(rounds):
+            for way in ways:
+                times[way].append(step_s(way))
+    except Exception as exc:
+        result.update({way: {"ok": False, "reason": reason(exc)} for way in ("whole", "parts")})
+        return result
+    finally:
+        for layer in model.layers:
+            layer.__dict__.pop("qkv", None), layer.__dict__.pop("finish", None)   # back to the class's methods
+        torch._dynamo.reset()
+    eager_s = statistics.median(times["eager"])
+    for way in ways:
+        result[way]["step_s"] = statistics.median(times[way])
+        result[way]["speedup"] = eager_s / result[way]["step_s"]
+    return result

@@ -117,10 +117,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     cos and sin are (T, D/2), already picked for the tokens' positions. The
     pairing matters: GGUF llama weights are laid out for interleaved pairs.
+    Turning the pair (a, b) by the angle t is multiplying the complex number
+    a + ib by cos t + i sin t: one multiplication of (B, H, T, D/2) complex
+    numbers, where the same rotation written out on the halves costs about
+    ten operations, each a kernel call on every layer of every decode step.
     """
-    x1, x2 = x[..., 0::2], x[..., 1::2]                                  # (B, H, T, D/2) each
-    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return out.flatten(-2)                                               # (B, H, T, D)
+    pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))             # (B, H, T, D/2) complex
+    return torch.view_as_real(pairs * torch.complex(cos, sin)).flatten(-2)  # (B, H, T, D)
 
 
 class Attention(nn.Module):
@@ -250,7 +253,7 @@ class Transformer(nn.Module):
         if T == 0:
             raise ValueError("ids is empty: give at least one token")
         q_pos = self.positions(start, T)
-        cos, sin = self.rope_cos[q_pos], self.rope_sin[q_pos]
+        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]   # views, no copy
         x = self.embed(ids)                                              # (B, T, d_model)
         k_pos = q_pos
         for i, layer in enumerate(self.layers):
