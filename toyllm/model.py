@@ -208,9 +208,22 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+        # Tables every call slices instead of building: no step allocates its positions or angles.
+        self.register_buffer("position_ids", torch.empty(cfg.max_context, dtype=torch.long), persistent=False)
+        self.register_buffer("rope_cos", torch.empty(cfg.max_context, cfg.head_dim // 2), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(cfg.max_context, cfg.head_dim // 2), persistent=False)
+        self.fill_tables()
+
+    @torch.no_grad()
+    def fill_tables(self) -> None:
+        """(Re)compute the buffers that are not weights: positions 0..max_context-1 and RoPE's cos and sin."""
+        cfg = self.config
+        if self.position_ids.is_meta:               # built on the meta device: nothing to fill yet
+            return
         cos, sin = rope_tables(cfg.head_dim, cfg.max_context, cfg.rope_base)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.position_ids.copy_(torch.arange(cfg.max_context))
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
 
     def set_attention(self, attention: str | AttentionFn) -> None:
         """Swap the attention kernel (``"dense"``, ``"sdpa"`` or your own function)."""
@@ -222,14 +235,15 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"tokens at positions [{start}, {start + length}) do not fit max_context="
                 f"{self.config.max_context}; use a shorter prompt or fewer new tokens")
-        return torch.arange(start, start + length, device=self.rope_cos.device)
+        return self.position_ids[start:start + length]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dim() != 2:
             raise ValueError(f"ids must have shape [batch, tokens], got {tuple(ids.shape)}")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got "
-                             f"min {int(ids.min())}, max {int(ids.max())}")
+        if ids.numel():
+            lo, hi = (int(v) for v in torch.aminmax(ids))                 # one pass over the ids
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got min {lo}, max {hi}")
         return self.tok_emb(ids)                                          # (B, T, d_model)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
@@ -261,7 +275,7 @@ class Transformer(nn.Module):
             if cache is not None:
                 k, v = cache.update(i, k, v)                             # (B, Hkv, S, D): past + new
             if len(k_pos) != k.shape[-2]:                                # built once, not once per layer
-                k_pos = torch.arange(start + T - k.shape[-2], start + T, device=q_pos.device)
+                k_pos = self.positions(start + T - k.shape[-2], k.shape[-2])
             x = layer.finish(x, layer.attend(q, k, v, q_pos, k_pos, self.attention))
         return self.head(x[:, -1:] if last_only else x)
 

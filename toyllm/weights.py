@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .model import ModelConfig, Transformer, build_model, get_config, rope_tables
+from .model import ModelConfig, Transformer, build_model, get_config
 from .gguf_file import SMOLLM2_FILE, SMOLLM2_INSTALL, SMOLLM2_PACKAGE, find_smollm2_gguf, gguf_value, open_gguf  # noqa: F401
 from .tokenizer import ByteTokenizer, GGUFTokenizer, Tokenizer
 
@@ -129,13 +129,7 @@ def model_from_state_dict(cfg: ModelConfig, state: dict[str, torch.Tensor],
     model = model.to_empty(device="cpu")
     if cfg.tie_embeddings:
         model.lm_head.weight = model.tok_emb.weight               # to_empty broke the tie
-    buffers = {name for name, _ in model.named_buffers()}
-    if buffers != {"rope_cos", "rope_sin"}:
-        raise RuntimeError(f"Transformer has buffers {sorted(buffers)}; model_from_state_dict only refills RoPE")
-    with torch.no_grad():
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_context, cfg.rope_base)
-        model.rope_cos.copy_(cos)
-        model.rope_sin.copy_(sin)
+    model.fill_tables()                                           # to_empty left the buffers uninitialised
     state = dict(state)
     if cfg.tie_embeddings:
         state.setdefault("lm_head.weight", state["tok_emb.weight"])
