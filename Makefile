@@ -37,7 +37,7 @@ demo: setup
 # JupyterLab in a headless Chromium) runs last, or is skipped with the install command when Chromium is missing.
 test: setup
 	@test -x /usr/bin/chromium && test -x /usr/bin/chromedriver || echo "make test: skipping the browser test; $(CHROMIUM_HINT)"
-	TOYLLM_IMPL=solutions TOYLLM_FAST=1 $(PYTHON) -m pytest tests
+	TOYLLM_IMPL=solutions TOYLLM_FAST=1 $(PYTHON) -m pytest tests --durations=15
 
 # Only the browser test; screenshots of each lesson's first widget land in build/screenshots/.
 test-browser: setup

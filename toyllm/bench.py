@@ -74,7 +74,7 @@ def bench_generation(quick: bool = False) -> dict:
     from .weights import load_model
 
     repeats = 1 if quick else 3
-    new_tokens = 64 if quick else 256
+    new_tokens = 64 if quick else 512
     models = [(name, load_model(name)[0]) for name in ("tiny", "bench")]
     models.append((f"toy-512 ({TOY_512.d_model} wide, {TOY_512.n_layers} layers, MLP {TOY_512.ffn_dim})",
                    build_model(TOY_512)))
