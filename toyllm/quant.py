@@ -6,8 +6,9 @@ too little arithmetic to hide the memory traffic. A decode step therefore
 takes at least (bytes of weights) / (memory bandwidth) seconds, and fewer
 bytes per weight lower that floor in proportion. How much of it a format
 gains in practice depends on its kernel: on the 2-core x86 machine of
-docs/benchmarks.md (section "weights"), SmolLM2 decodes at 17-36 percent of
-its floor's speed, fp16 and int8 about 2.5x faster than float32, bf16 1.5x.
+docs/benchmarks.md (section "weights"), SmolLM2 decodes at a quarter to a
+half of its floor's speed; in the runs recorded there fp16 and int8 were
+2.3-2.6x faster than float32 and bf16 1.5-1.9x.
 
 Formats (``WEIGHT_FORMATS``), all for the matrices of ``nn.Linear`` layers:
 
