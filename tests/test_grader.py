@@ -541,11 +541,13 @@ def test_sigterm_to_the_grader_ends_every_process_it_started(tmp_path):
     try:
         deadline = time.monotonic() + 60
         started = []
-        while time.monotonic() < deadline:          # wait until the sandbox runs the hanging call
+        while time.monotonic() < deadline:          # wait until the sandbox serves (then runs the hanging call)
             started = psutil.Process(proc.pid).children(recursive=True)
-            if any("_serve" in " ".join(p.cmdline()) for p in started if p.is_running()):
+            if any("toyllm.grading.server" in " ".join(p.cmdline()) for p in started if p.is_running()):
                 break
             time.sleep(0.5)
+        else:
+            pytest.fail("the grader never started its sandbox within 60 s")
         time.sleep(2)
         started = psutil.Process(proc.pid).children(recursive=True)
         assert len(started) >= 2, "expected the pytest process and the sandbox"
