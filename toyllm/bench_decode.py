@@ -110,8 +110,9 @@ MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "quantized::linear_dynamic
               "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm")
 
 
-def _decode_runner(model, prompt_len: int, steps: int):
-    """(fresh cache with a random prompt prefilled, feed one token) for timing ``steps`` decode steps."""
+def _decode_timer(model, prompt_len: int, steps: int):
+    """``seconds(forward)``: median seconds of ``steps`` decode steps of ``forward`` (the model, or a compiled
+    version of it) after a random ``prompt_len``-token prompt, each timing on a fresh static cache."""
     ids = torch.randint(0, model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
     token = torch.tensor([[1]])
 
@@ -120,7 +121,11 @@ def _decode_runner(model, prompt_len: int, steps: int):
         model(ids, cache=cache, last_only=True)
         return cache
 
-    return fresh, token
+    def seconds(forward, warmup: int = 1) -> float:
+        cache = fresh()
+        return median_time(lambda: forward(token, cache=cache), steps, warmup=warmup)[0]
+
+    return seconds, fresh, token
 
 
 @contextmanager
@@ -151,7 +156,7 @@ def profile_decode_step(model, prompt_len: int = 38, steps: int = 8) -> dict:
     """
     from torch.profiler import ProfilerActivity, profile
 
-    fresh, token = _decode_runner(model, prompt_len, steps)
+    seconds, fresh, token = _decode_timer(model, prompt_len, steps)
     cache = fresh()
     model(token, cache=cache)                                   # warm-up
     with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -162,12 +167,11 @@ def profile_decode_step(model, prompt_len: int = 38, steps: int = 8) -> dict:
     total_us = sum(e.self_cpu_time_total for e in table)
     matmul_us = sum(e.self_cpu_time_total for e in table if e.key in MATMUL_OPS)
     top = sorted(table, key=lambda e: -e.self_cpu_time_total)[:6]
-    cache = fresh()
-    seconds, _ = median_time(lambda: model(token, cache=cache), steps, warmup=1)
+    step_s = seconds(model)
     return {"top_level_calls": sum(1 for e in events if e.cpu_parent is None and e.name != "[memory]") / steps,
             "all_calls": sum(1 for e in events if e.name != "[memory]") / steps,
             "bytes_allocated": sum(max(e.self_cpu_memory_usage, 0) for e in table) / steps,
-            "matmul_share": matmul_us / total_us, "step_s": seconds,
+            "matmul_share": matmul_us / total_us, "step_s": step_s,
             "top": [{"op": e.key, "calls": e.count / steps, "share": e.self_cpu_time_total / total_us} for e in top]}
 
 
@@ -185,23 +189,23 @@ def compile_trial(model, prompt_len: int = 38, steps: int = 16, rounds: int = 3)
     """
     import torch._dynamo
 
-    fresh, token = _decode_runner(model, prompt_len, steps)
-    eager_methods = [(type(layer).qkv.__get__(layer), type(layer).finish.__get__(layer)) for layer in model.layers]
+    seconds, _, _ = _decode_timer(model, prompt_len, steps)
 
     def use_parts(compiled: bool):
-        for layer, fns, plain in zip(model.layers, compiled_parts, eager_methods):
-            layer.qkv, layer.finish = fns if compiled else plain
+        for layer, (qkv, finish) in zip(model.layers, compiled_parts):
+            if compiled:
+                layer.qkv, layer.finish = qkv, finish
+            else:                                               # back to the class's own methods
+                layer.__dict__.pop("qkv", None), layer.__dict__.pop("finish", None)
 
     def step_s(way):
         use_parts(way == "parts")
-        forward = whole if way == "whole" else model
-        cache = fresh()
-        return median_time(lambda: forward(token, cache=cache), steps, warmup=2)[0]
+        return seconds(whole if way == "whole" else model, warmup=2)
 
     def reason(exc):
         return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}"
 
-    result, ways = {"eager": {"ok": True}}, ["eager"]
+    result, ways, compiled_parts = {"eager": {"ok": True}}, ["eager"], []
     try:
         try:
             whole = torch.compile(model)
@@ -224,8 +228,7 @@ def compile_trial(model, prompt_len: int = 38, steps: int = 16, rounds: int = 3)
             for way in ways:
                 times[way].append(step_s(way))
     finally:
-        for layer in model.layers:
-            layer.__dict__.pop("qkv", None), layer.__dict__.pop("finish", None)   # back to the class's methods
+        use_parts(False)
         torch._dynamo.reset()
     eager_s = statistics.median(times["eager"])
     for way in ways:
