@@ -17,7 +17,7 @@ CHECK_PY = @$(PY) -c 'import sys; v = sys.version_info[:3]; sys.exit(0 if (3, 11
 	  "toyllm needs Python 3.11.5 or a later 3.11 (requirements.lock is resolved for it); %s is Python %d.%d.%d. Install one (e.g. with pyenv) and run make PY=/path/to/python3.11 ..." % (sys.executable, *v))'
 CHROMIUM_HINT := the browser test needs Debian's Chromium and its driver: apt-get install chromium chromium-driver
 
-.PHONY: setup demo test test-browser lab bench exercises lock clean
+.PHONY: setup demo test test-browser lab bench exercises student lock clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,12 @@ bench: setup
 
 exercises: setup
 	$(PYTHON) -m toyllm.grading sync
+
+# The student edition for a class (no model answers; the framework runs the student's exercises):
+# make student OUT=../toyllm-student [HINTS=idea|code]. docs/grading.md has the whole workflow.
+student: setup
+	@test -n "$(OUT)" || { echo "make student: say where, e.g. make student OUT=../toyllm-student"; exit 2; }
+	$(PYTHON) -m toyllm.grading.edition --out "$(OUT)" --hints $(or $(HINTS),idea)
 
 # Resolve requirements.txt into the lock, keeping every version already locked (a package new to
 # requirements.txt gets its newest version). `make lock UPGRADE=1` moves every package forward.

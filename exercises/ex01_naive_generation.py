@@ -34,8 +34,8 @@ def greedy_next_token(logits: torch.Tensor) -> int:
     Raises ValueError if logits is not a non-empty 1-D tensor.
     """
     raise NotImplementedError(
-        "Exercise 1.1: implement greedy_next_token (hint: torch.argmax gives a 0-d tensor; int(...)"
-        " turns it into a Python int)")
+        "Exercise 1.1: implement greedy_next_token (idea: the most likely token is the largest "
+        "logit; return it as a plain Python int)")
 
 
 def sample_next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
@@ -58,9 +58,9 @@ def sample_next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int
     Raises ValueError if temperature < 0, top_k < 1 or top_p is outside (0, 1].
     """
     raise NotImplementedError(
-        "Exercise 1.2: implement sample_next_token (hint: validate with "
-        "toyllm.generation.check_sampling; divide by temperature; set logits outside top_k, then "
-        "outside top_p, to -inf; softmax; torch.multinomial(probs, 1, generator=generator))")
+        "Exercise 1.2: implement sample_next_token (idea: temperature rescales the logits before "
+        "the softmax; top-k and top-p remove the unlikely tail before you draw one token with the "
+        "generator)")
 
 
 @torch.no_grad()
@@ -78,5 +78,5 @@ def naive_generate(model, prompt_ids: list[int], max_new_tokens: int) -> list[in
     Raises ValueError for an empty prompt or a negative max_new_tokens.
     """
     raise NotImplementedError(
-        "Exercise 1.3: implement naive_generate (hint: ids = list(prompt_ids); each step: logits = "
-        "model(torch.tensor([ids]))[0, -1], pick with greedy_next_token, append to ids)")
+        "Exercise 1.3: implement naive_generate (idea: each step runs the model over the whole "
+        "sequence so far and keeps only the last position's logits)")

@@ -44,9 +44,9 @@ def attention_with_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Plug it into a model with ``model.set_attention(attention_with_offset)``.
     """
     raise NotImplementedError(
-        "Exercise 2.1: implement attention_with_offset (hint: scores = q @ k.transpose(-2, -1) / "
-        "sqrt(D); a key is visible when k_pos[None, :] <= q_pos[:, None]; fill the others with "
-        "-inf; softmax over the last dim; times v)")
+        "Exercise 2.1: implement attention_with_offset (idea: score every query against every key, "
+        "hide the keys whose position is after the query's, normalise the scores per query, then "
+        "mix the values)")
 
 
 def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, tokens: int,
@@ -65,8 +65,8 @@ def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, tokens: int,
     negative counts or a bytes_per_value that is not positive.
     """
     raise NotImplementedError(
-        "Exercise 2.2: implement kv_cache_bytes (hint: 2 (K and V) x layers x kv_heads x head_dim x"
-        " tokens x bytes_per_value x batch)")
+        "Exercise 2.2: implement kv_cache_bytes (idea: count the numbers stored per token (K and V,"
+        " every layer, every KV head), then scale by tokens, batch and bytes per value)")
 
 
 def static_buffer_bytes(n_blocks: int, n_kv_heads: int, head_dim: int, max_seq_len: int,
@@ -89,8 +89,8 @@ def static_buffer_bytes(n_blocks: int, n_kv_heads: int, head_dim: int, max_seq_l
     a positive integer.
     """
     raise NotImplementedError(
-        "Exercise 2.3: implement static_buffer_bytes (hint: 2 x n_blocks x n_kv_heads x reserve x "
-        "(max_seq_len - 1) x head_dim x bits / 8)")
+        "Exercise 2.3: implement static_buffer_bytes (idea: each K or V of each head reserves "
+        "reserve x (S - 1) rows of head_dim values; count bits, then bytes, and round up)")
 
 
 @torch.no_grad()
@@ -110,6 +110,5 @@ def cached_generate(model, prompt_ids: list[int], max_new_tokens: int) -> list[i
     Raises ValueError for an empty prompt or a negative max_new_tokens.
     """
     raise NotImplementedError(
-        "Exercise 2.4: implement cached_generate (hint: cache = "
-        "DynamicKVCache(model.config.n_layers); prefill: model(torch.tensor([prompt]), input_pos=0,"
-        " cache=cache); then feed [[token]] at input_pos=cache.length)")
+        "Exercise 2.4: implement cached_generate (idea: run the prompt once to fill a cache, then "
+        "feed only the newest token each step at the position right after the cached ones)")

@@ -41,8 +41,8 @@ def matmul_intensity(B: int, D: int, F: int, bytes_per_value: float = 2) -> floa
     Raises ValueError if a dimension is < 1 or bytes_per_value <= 0.
     """
     raise NotImplementedError(
-        "Exercise 3.1: implement matmul_intensity (hint: (2 * B * D * F) / (bytes_per_value * (B*D "
-        "+ D*F + B*F)))")
+        "Exercise 3.1: implement matmul_intensity (idea: intensity is FLOPs divided by bytes moved:"
+        " count the multiply-adds, and the bytes of both inputs and the output)")
 
 
 def attention_intensity(S: int, T: int) -> float:
@@ -60,8 +60,8 @@ def attention_intensity(S: int, T: int) -> float:
     Raises ValueError if S or T is < 1.
     """
     raise NotImplementedError(
-        "Exercise 3.2: implement attention_intensity (hint: 4*S*T*D FLOPs over 4*(S+T)*D bytes; D "
-        "cancels)")
+        "Exercise 3.2: implement attention_intensity (idea: with a fused kernel the scores never "
+        "leave the chip, so only q, k, v and the output cost bytes; the head size cancels)")
 
 
 def min_step_time_s(param_bytes: float, kv_bytes_per_seq: float, batch: int,
@@ -78,8 +78,8 @@ def min_step_time_s(param_bytes: float, kv_bytes_per_seq: float, batch: int,
     Raises ValueError for a negative batch or a bandwidth that is not positive.
     """
     raise NotImplementedError(
-        "Exercise 3.3: implement min_step_time_s (hint: (batch * kv_bytes_per_seq + param_bytes) / "
-        "hbm_bandwidth_bytes_per_s)")
+        "Exercise 3.3: implement min_step_time_s (idea: a memory-bound step reads every weight once"
+        " and every sequence's KV cache once)")
 
 
 def step_time_s(param_bytes: float, kv_bytes_per_seq: float, batch: int, hbm_bandwidth_bytes_per_s: float,
@@ -96,8 +96,8 @@ def step_time_s(param_bytes: float, kv_bytes_per_seq: float, batch: int, hbm_ban
     Raises ValueError for a negative batch or a non-positive bandwidth or peak_flops.
     """
     raise NotImplementedError(
-        "Exercise 3.4: implement step_time_s (hint: batch * kv / bandwidth + max(2 * batch * "
-        "param_count / peak_flops, param_bytes / bandwidth))")
+        "Exercise 3.4: implement step_time_s (idea: attention stays memory-bound; the matmuls take "
+        "whichever is longer, loading the weights or doing the arithmetic)")
 
 
 def max_throughput_tokens_per_s(param_bytes: float, kv_bytes_per_seq: float, batch: int,
@@ -116,7 +116,8 @@ def max_throughput_tokens_per_s(param_bytes: float, kv_bytes_per_seq: float, bat
     Raises ValueError for a batch < 1 or a bandwidth that is not positive.
     """
     raise NotImplementedError(
-        "Exercise 3.5: implement max_throughput_tokens_per_s (hint: batch / min_step_time_s(...))")
+        "Exercise 3.5: implement max_throughput_tokens_per_s (idea: one step produces one token per"
+        " sequence, and no step is faster than the memory-bound bound)")
 
 
 def max_batch_size(param_bytes: float, kv_bytes_per_seq: float, hbm_bytes: float) -> int:
@@ -132,5 +133,5 @@ def max_batch_size(param_bytes: float, kv_bytes_per_seq: float, hbm_bytes: float
     Raises ValueError if kv_bytes_per_seq is not positive.
     """
     raise NotImplementedError(
-        "Exercise 3.6: implement max_batch_size (hint: floor((hbm_bytes - param_bytes) / "
-        "kv_bytes_per_seq), never below 0)")
+        "Exercise 3.6: implement max_batch_size (idea: whatever memory the weights leave free is "
+        "shared out in whole sequences)")

@@ -33,8 +33,8 @@ def tsp_dot_products(chunks: list[int]) -> list[int]:
     Raises ValueError for an empty list or a chunk below 1.
     """
     raise NotImplementedError(
-        "Exercise 4.1: implement tsp_dot_products (hint: C = sum(chunks); every rank: c_i * C; "
-        "check the input first)")
+        "Exercise 4.1: implement tsp_dot_products (idea: with TSP every rank scores its own queries"
+        " against the keys of the whole context)")
 
 
 def tsp_layer(layer, x, pos, comm, attention):
@@ -50,9 +50,9 @@ def tsp_layer(layer, x, pos, comm, attention):
     Test it with ``parallel_prefill(..., step=ex04.tsp_layer)``.
     """
     raise NotImplementedError(
-        "Exercise 4.2: implement tsp_layer (hint: q, k, v = layer.qkv(x, pos.cos, pos.sin); ks, vs "
-        "= comm.all_gather(k, v); concatenate along the token dim (-2); keys sit at positions "
-        "0..C-1; layer.finish(x, layer.attend(...)))")
+        "Exercise 4.2: implement tsp_layer (idea: project your own tokens, collect every rank's "
+        "keys and values in rank order, attend with the causal mask at absolute positions, finish "
+        "the layer)")
 
 
 def tsp_kv_bytes_received(chunks: list[int], n_kv_heads: int, head_dim: int, bytes_per_value: float = 2) -> list[float]:
@@ -65,8 +65,8 @@ def tsp_kv_bytes_received(chunks: list[int], n_kv_heads: int, head_dim: int, byt
     Returns a list of floats, one per rank.
     """
     raise NotImplementedError(
-        "Exercise 4.3: implement tsp_kv_bytes_received (hint: 2 (K and V) * (C - c_i) * n_kv_heads "
-        "* head_dim * bytes_per_value)")
+        "Exercise 4.3: implement tsp_kv_bytes_received (idea: a rank receives the keys and values "
+        "of every token it does not hold itself)")
 
 
 def tensor_parallel_bytes_sent(tokens: int, d_model: int, world_size: int, bytes_per_value: float = 2) -> float:
@@ -78,5 +78,6 @@ def tensor_parallel_bytes_sent(tokens: int, d_model: int, world_size: int, bytes
     all-gather). One process (p = 1) sends nothing. Returns a float.
     """
     raise NotImplementedError(
-        "Exercise 4.4: implement tensor_parallel_bytes_sent (hint: 2 all-reduces per layer, each 2 "
-        "* (p - 1) / p * tokens * d_model * bytes_per_value)")
+        "Exercise 4.4: implement tensor_parallel_bytes_sent (idea: Megatron's tensor parallel layer"
+        " ends its attention and its MLP with an all-reduce; a ring all-reduce moves 2(p - 1)/p of "
+        "the data per process)")

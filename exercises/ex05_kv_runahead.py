@@ -32,9 +32,9 @@ def kvr_layer_blocking(layer, x, pos, chain, attention):
     Returns (layer output (B, c_i, d_model), k and v (B, Hkv, s_i + c_i, D)).
     """
     raise NotImplementedError(
-        "Exercise 5.1: implement kvr_layer_blocking (hint: prefix = chain.recv(); q, k, v = "
-        "layer.qkv(x, pos.cos, pos.sin); if prefix: k = torch.cat([prefix[0], k], -2) (same for v);"
-        " chain.send(k, v); keys at torch.arange(k.shape[-2]); layer.finish(x, layer.attend(...)))")
+        "Exercise 5.1: implement kvr_layer_blocking (idea: the prefix of the earlier ranks arrives "
+        "first; your keys go after it; the grown prefix goes on to the next rank; your queries see "
+        "every key up to their own position)")
 
 
 def kvr_layer(layer, x, pos, chain, attention):
@@ -47,9 +47,8 @@ def kvr_layer(layer, x, pos, chain, attention):
     Returns the same as Exercise 5.1.
     """
     raise NotImplementedError(
-        "Exercise 5.2: implement kvr_layer (hint: incoming = chain.irecv() before layer.qkv; after "
-        "it: if incoming is not None: k_prev, v_prev = incoming.wait(); then concatenate, "
-        "chain.isend(k, v), attend, finish)")
+        "Exercise 5.2: implement kvr_layer (idea: post the receive before the projection so that "
+        "the prefix travels while you compute, and wait for it only when you need it)")
 
 
 def kvr_counts(chunks: list[int]) -> tuple[list[int], int]:
@@ -61,8 +60,8 @@ def kvr_counts(chunks: list[int]) -> tuple[list[int], int]:
     Raises ValueError for an empty list or a chunk below 1.
     """
     raise NotImplementedError(
-        "Exercise 5.3: implement kvr_counts (hint: running prefix s; dots c * (s + c); rows 2 * (s "
-        "+ c) for every rank but the last)")
+        "Exercise 5.3: implement kvr_counts (idea: rank i scores c_i queries against the s_i + c_i "
+        "keys it holds; every rank but the last forwards the whole prefix it holds, K and V)")
 
 
 def ttft_lower_bound(ttft1_s: float, world_size: int) -> float:
@@ -72,5 +71,5 @@ def ttft_lower_bound(ttft1_s: float, world_size: int) -> float:
     ValueError for a world size below 1 or a negative time.
     """
     raise NotImplementedError(
-        "Exercise 5.4: implement ttft_lower_bound (hint: ttft1_s / 2 * (1 / p + 1 / p**2); validate"
-        " first)")
+        "Exercise 5.4: implement ttft_lower_bound (idea: the paper's bound halves the one-process "
+        "time and scales it by 1/p + 1/p^2)")

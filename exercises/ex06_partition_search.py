@@ -38,10 +38,8 @@ def search_boundary(cost, context: int, min_stride: int = 1) -> list[int]:
     multiple of min_stride lies strictly between 0 and context.
     """
     raise NotImplementedError(
-        "Exercise 6.1: implement search_boundary (hint: candidates b = k * min_stride, k = 1 .. "
-        "(context - 1) // min_stride; ternary search on k (or a coarse scan, then halve the stride "
-        "around the best), remembering costs already computed; stop when 3 or fewer candidates are "
-        "left and take the best)")
+        "Exercise 6.1: implement search_boundary (idea: the cost of the boundary falls and then "
+        "rises, so narrow the interval around the cheapest point instead of trying every boundary)")
 
 
 def grid_search(cost, context: int, world_size: int, stride: int, min_stride: int = 1,
@@ -60,10 +58,8 @@ def grid_search(cost, context: int, world_size: int, stride: int, min_stride: in
     stride < 1 or min_stride < 1.
     """
     raise NotImplementedError(
-        "Exercise 6.2: implement grid_search (hint: best = even boundaries; loop: for offsets in "
-        "itertools.product(range(-span, span + 1), repeat=p - 1) build 0, b_j + o_j * stride ..., "
-        "context; skip non-increasing; keep the cheapest (remember costs); stop after the level at "
-        "min_stride, else stride = max(min_stride, stride // 2))")
+        "Exercise 6.2: implement grid_search (idea: start from the even split, try offsets of every"
+        " boundary at the current stride, keep the cheapest, then halve the stride around it)")
 
 
 def interpolate_partition(table: dict[int, list[float]], context: int) -> list[int]:
@@ -84,10 +80,9 @@ def interpolate_partition(table: dict[int, list[float]], context: int) -> list[i
     when context is smaller than the number of processes.
     """
     raise NotImplementedError(
-        "Exercise 6.3: implement interpolate_partition (hint: keys = sorted(table); clamp with "
-        "keys[0] / keys[-1]; else find lo < context < hi and mix; floors, then sorted(range(p), "
-        "key=lambda i: -(share[i] - floor[i])) gets the leftovers; fix zeros from the largest "
-        "chunk)")
+        "Exercise 6.3: implement interpolate_partition (idea: store each searched partition as "
+        "ratios of its context; a new length mixes the ratios of the two nearest lengths in "
+        "proportion to its distance from each)")
 
 
 def fit_cost_model(samples: list[tuple[float, float, float]]) -> tuple[float, float, float]:
@@ -100,5 +95,5 @@ def fit_cost_model(samples: list[tuple[float, float, float]]) -> tuple[float, fl
     Raises ValueError for fewer than 3 samples.
     """
     raise NotImplementedError(
-        "Exercise 6.4: implement fit_cost_model (hint: X = tensor of rows [tokens, dots, 1.0] "
-        "(float64), y = seconds; torch.linalg.lstsq(X, y[:, None]).solution; return floats)")
+        "Exercise 6.4: implement fit_cost_model (idea: time = a x tokens + b x dot products + c is "
+        "linear in the unknowns: solve the least-squares problem)")

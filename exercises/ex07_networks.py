@@ -29,8 +29,8 @@ def chain_transfer_s(chunks: list[int], row_bytes: int, bandwidth_bytes_per_s: f
     chunk below 1, row_bytes below 1, a bandwidth <= 0 or a negative latency.
     """
     raise NotImplementedError(
-        "Exercise 7.1: implement chain_transfer_s (hint: running end e = s_i + c_i; (2 * e * "
-        "row_bytes) / bandwidth + latency for every rank but the last)")
+        "Exercise 7.1: implement chain_transfer_s (idea: each rank but the last sends the prefix it"
+        " holds, K and V, over a link that costs latency plus bytes over bandwidth)")
 
 
 def ring_allgather_s(chunks: list[int], row_bytes: int, bandwidth_bytes_per_s: float, latency_s: float) -> float:
@@ -43,8 +43,8 @@ def ring_allgather_s(chunks: list[int], row_bytes: int, bandwidth_bytes_per_s: f
     for one process). Raises ValueError as in Exercise 7.1.
     """
     raise NotImplementedError(
-        "Exercise 7.2: implement ring_allgather_s (hint: (p - 1) * (2 * max(chunks) * row_bytes / "
-        "bandwidth + latency))")
+        "Exercise 7.2: implement ring_allgather_s (idea: a ring all-gather takes p - 1 steps, each "
+        "as long as the largest chunk's transfer)")
 
 
 def kvr_ttft(chunks: list[int], n_layers: int, row_bytes: int, cost_model) -> float:
@@ -66,9 +66,9 @@ def kvr_ttft(chunks: list[int], n_layers: int, row_bytes: int, cost_model) -> fl
     return that time in seconds (a float).
     """
     raise NotImplementedError(
-        "Exercise 7.3: implement kvr_ttft (hint: simulate the ranks one after the other (rank i "
-        "only waits for rank i-1), keeping per layer when each message arrives; before a send t = "
-        "max(t, previous send's arrival); the send arrives at t + transfer_s(bytes))")
+        "Exercise 7.3: implement kvr_ttft (idea: walk the layers rank by rank: a rank starts a "
+        "layer when its previous layer and its incoming message are both done, and its send waits "
+        "for the link)")
 
 
 def break_even_context(speedup, lo: int, hi: int) -> int | None:
@@ -81,5 +81,5 @@ def break_even_context(speedup, lo: int, hi: int) -> int | None:
     calls, not one per context. Raises ValueError when lo < 1 or hi < lo.
     """
     raise NotImplementedError(
-        "Exercise 7.4: implement break_even_context (hint: if speedup(hi) < 1: None; if speedup(lo)"
-        " >= 1: lo; else keep speedup(a) < 1 <= speedup(b) and halve [a, b] until b == a + 1)")
+        "Exercise 7.4: implement break_even_context (idea: the speedup crosses 1 somewhere in the "
+        "interval: keep one end below 1 and one at or above, and halve the gap)")

@@ -34,6 +34,7 @@ def greedy_next_token(logits: torch.Tensor) -> int:
     Raises ValueError if logits is not a non-empty 1-D tensor.
     """
     # BEGIN SOLUTION 1.1 hint: torch.argmax gives a 0-d tensor; int(...) turns it into a Python int
+    # idea: the most likely token is the largest logit; return it as a plain Python int
     if logits.dim() != 1 or logits.numel() == 0:
         raise ValueError(f"logits must be a non-empty 1-D tensor (vocab,), got shape {tuple(logits.shape)}")
     return int(torch.argmax(logits))
@@ -60,6 +61,7 @@ def sample_next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int
     Raises ValueError if temperature < 0, top_k < 1 or top_p is outside (0, 1].
     """
     # BEGIN SOLUTION 1.2 hint: validate with toyllm.generation.check_sampling; divide by temperature; set logits outside top_k, then outside top_p, to -inf; softmax; torch.multinomial(probs, 1, generator=generator)
+    # idea: temperature rescales the logits before the softmax; top-k and top-p remove the unlikely tail before you draw one token with the generator
     check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return int(torch.argmax(logits))
@@ -92,6 +94,7 @@ def naive_generate(model, prompt_ids: list[int], max_new_tokens: int) -> list[in
     Raises ValueError for an empty prompt or a negative max_new_tokens.
     """
     # BEGIN SOLUTION 1.3 hint: ids = list(prompt_ids); each step: logits = model(torch.tensor([ids]))[0, -1], pick with greedy_next_token, append to ids
+    # idea: each step runs the model over the whole sequence so far and keeps only the last position's logits
     if len(prompt_ids) == 0:
         raise ValueError("prompt_ids is empty: give at least one token")
     if max_new_tokens < 0:

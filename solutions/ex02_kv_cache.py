@@ -44,6 +44,7 @@ def attention_with_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Plug it into a model with ``model.set_attention(attention_with_offset)``.
     """
     # BEGIN SOLUTION 2.1 hint: scores = q @ k.transpose(-2, -1) / sqrt(D); a key is visible when k_pos[None, :] <= q_pos[:, None]; fill the others with -inf; softmax over the last dim; times v
+    # idea: score every query against every key, hide the keys whose position is after the query's, normalise the scores per query, then mix the values
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])          # (B, H, T, S)
     visible = k_pos[None, :] <= q_pos[:, None]                          # (T, S), broadcast over B and H
     scores = scores.masked_fill(~visible, float("-inf"))
@@ -67,6 +68,7 @@ def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, tokens: int,
     negative counts or a bytes_per_value that is not positive.
     """
     # BEGIN SOLUTION 2.2 hint: 2 (K and V) x layers x kv_heads x head_dim x tokens x bytes_per_value x batch
+    # idea: count the numbers stored per token (K and V, every layer, every KV head), then scale by tokens, batch and bytes per value
     for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
                         ("tokens", tokens), ("batch", batch)):
         if value < 0:
@@ -97,6 +99,7 @@ def static_buffer_bytes(n_blocks: int, n_kv_heads: int, head_dim: int, max_seq_l
     a positive integer.
     """
     # BEGIN SOLUTION 2.3 hint: 2 x n_blocks x n_kv_heads x reserve x (max_seq_len - 1) x head_dim x bits / 8
+    # idea: each K or V of each head reserves reserve x (S - 1) rows of head_dim values; count bits, then bytes, and round up
     if max_seq_len < 2:
         raise ValueError(f"max_seq_len must be >= 2 (a window of S - 1 >= 1 rows), got {max_seq_len}")
     if not 1.0 <= reserve <= 2.0:
@@ -125,6 +128,7 @@ def cached_generate(model, prompt_ids: list[int], max_new_tokens: int) -> list[i
     Raises ValueError for an empty prompt or a negative max_new_tokens.
     """
     # BEGIN SOLUTION 2.4 hint: cache = DynamicKVCache(model.config.n_layers); prefill: model(torch.tensor([prompt]), input_pos=0, cache=cache); then feed [[token]] at input_pos=cache.length
+    # idea: run the prompt once to fill a cache, then feed only the newest token each step at the position right after the cached ones
     if len(prompt_ids) == 0:
         raise ValueError("prompt_ids is empty: give at least one token")
     if max_new_tokens < 0:

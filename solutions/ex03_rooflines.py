@@ -41,6 +41,7 @@ def matmul_intensity(B: int, D: int, F: int, bytes_per_value: float = 2) -> floa
     Raises ValueError if a dimension is < 1 or bytes_per_value <= 0.
     """
     # BEGIN SOLUTION 3.1 hint: (2 * B * D * F) / (bytes_per_value * (B*D + D*F + B*F))
+    # idea: intensity is FLOPs divided by bytes moved: count the multiply-adds, and the bytes of both inputs and the output
     if min(B, D, F) < 1:
         raise ValueError(f"B, D and F must be at least 1, got B={B}, D={D}, F={F}")
     if bytes_per_value <= 0:
@@ -64,6 +65,7 @@ def attention_intensity(S: int, T: int) -> float:
     Raises ValueError if S or T is < 1.
     """
     # BEGIN SOLUTION 3.2 hint: 4*S*T*D FLOPs over 4*(S+T)*D bytes; D cancels
+    # idea: with a fused kernel the scores never leave the chip, so only q, k, v and the output cost bytes; the head size cancels
     if S < 1 or T < 1:
         raise ValueError(f"S (keys) and T (queries) must be at least 1, got S={S}, T={T}")
     return S * T / (S + T)
@@ -84,6 +86,7 @@ def min_step_time_s(param_bytes: float, kv_bytes_per_seq: float, batch: int,
     Raises ValueError for a negative batch or a bandwidth that is not positive.
     """
     # BEGIN SOLUTION 3.3 hint: (batch * kv_bytes_per_seq + param_bytes) / hbm_bandwidth_bytes_per_s
+    # idea: a memory-bound step reads every weight once and every sequence's KV cache once
     if batch < 0:
         raise ValueError(f"batch must be >= 0, got {batch}")
     if hbm_bandwidth_bytes_per_s <= 0:
@@ -106,6 +109,7 @@ def step_time_s(param_bytes: float, kv_bytes_per_seq: float, batch: int, hbm_ban
     Raises ValueError for a negative batch or a non-positive bandwidth or peak_flops.
     """
     # BEGIN SOLUTION 3.4 hint: batch * kv / bandwidth + max(2 * batch * param_count / peak_flops, param_bytes / bandwidth)
+    # idea: attention stays memory-bound; the matmuls take whichever is longer, loading the weights or doing the arithmetic
     if batch < 0:
         raise ValueError(f"batch must be >= 0, got {batch}")
     if hbm_bandwidth_bytes_per_s <= 0 or peak_flops <= 0:
@@ -133,6 +137,7 @@ def max_throughput_tokens_per_s(param_bytes: float, kv_bytes_per_seq: float, bat
     Raises ValueError for a batch < 1 or a bandwidth that is not positive.
     """
     # BEGIN SOLUTION 3.5 hint: batch / min_step_time_s(...)
+    # idea: one step produces one token per sequence, and no step is faster than the memory-bound bound
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     return batch / min_step_time_s(param_bytes, kv_bytes_per_seq, batch, hbm_bandwidth_bytes_per_s)
@@ -152,6 +157,7 @@ def max_batch_size(param_bytes: float, kv_bytes_per_seq: float, hbm_bytes: float
     Raises ValueError if kv_bytes_per_seq is not positive.
     """
     # BEGIN SOLUTION 3.6 hint: floor((hbm_bytes - param_bytes) / kv_bytes_per_seq), never below 0
+    # idea: whatever memory the weights leave free is shared out in whole sequences
     if kv_bytes_per_seq <= 0:
         raise ValueError(f"kv_bytes_per_seq must be positive, got {kv_bytes_per_seq}")
     return max(0, math.floor((hbm_bytes - param_bytes) / kv_bytes_per_seq))

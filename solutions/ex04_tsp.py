@@ -33,6 +33,7 @@ def tsp_dot_products(chunks: list[int]) -> list[int]:
     Raises ValueError for an empty list or a chunk below 1.
     """
     # BEGIN SOLUTION 4.1 hint: C = sum(chunks); every rank: c_i * C; check the input first
+    # idea: with TSP every rank scores its own queries against the keys of the whole context
     if not chunks or any(int(c) != c or c < 1 for c in chunks):
         raise ValueError(f"chunks must be a non-empty list of positive integers, got {chunks!r}")
     C = sum(chunks)
@@ -53,6 +54,7 @@ def tsp_layer(layer, x, pos, comm, attention):
     Test it with ``parallel_prefill(..., step=ex04.tsp_layer)``.
     """
     # BEGIN SOLUTION 4.2 hint: q, k, v = layer.qkv(x, pos.cos, pos.sin); ks, vs = comm.all_gather(k, v); concatenate along the token dim (-2); keys sit at positions 0..C-1; layer.finish(x, layer.attend(...))
+    # idea: project your own tokens, collect every rank's keys and values in rank order, attend with the causal mask at absolute positions, finish the layer
     q, k, v = layer.qkv(x, pos.cos, pos.sin)
     ks, vs = comm.all_gather(k, v)
     k_all, v_all = torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
@@ -72,6 +74,7 @@ def tsp_kv_bytes_received(chunks: list[int], n_kv_heads: int, head_dim: int, byt
     Returns a list of floats, one per rank.
     """
     # BEGIN SOLUTION 4.3 hint: 2 (K and V) * (C - c_i) * n_kv_heads * head_dim * bytes_per_value
+    # idea: a rank receives the keys and values of every token it does not hold itself
     C = sum(chunks)
     return [float(2 * (C - c) * n_kv_heads * head_dim * bytes_per_value) for c in chunks]
     # END SOLUTION
@@ -86,6 +89,7 @@ def tensor_parallel_bytes_sent(tokens: int, d_model: int, world_size: int, bytes
     all-gather). One process (p = 1) sends nothing. Returns a float.
     """
     # BEGIN SOLUTION 4.4 hint: 2 all-reduces per layer, each 2 * (p - 1) / p * tokens * d_model * bytes_per_value
+    # idea: Megatron's tensor parallel layer ends its attention and its MLP with an all-reduce; a ring all-reduce moves 2(p - 1)/p of the data per process
     n_bytes = tokens * d_model * bytes_per_value
     return float(2 * 2 * (world_size - 1) / world_size * n_bytes)
     # END SOLUTION

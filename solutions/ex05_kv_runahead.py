@@ -32,6 +32,7 @@ def kvr_layer_blocking(layer, x, pos, chain, attention):
     Returns (layer output (B, c_i, d_model), k and v (B, Hkv, s_i + c_i, D)).
     """
     # BEGIN SOLUTION 5.1 hint: prefix = chain.recv(); q, k, v = layer.qkv(x, pos.cos, pos.sin); if prefix: k = torch.cat([prefix[0], k], -2) (same for v); chain.send(k, v); keys at torch.arange(k.shape[-2]); layer.finish(x, layer.attend(...))
+    # idea: the prefix of the earlier ranks arrives first; your keys go after it; the grown prefix goes on to the next rank; your queries see every key up to their own position
     prefix = chain.recv()
     q, k, v = layer.qkv(x, pos.cos, pos.sin)
     if prefix is not None:
@@ -53,6 +54,7 @@ def kvr_layer(layer, x, pos, chain, attention):
     Returns the same as Exercise 5.1.
     """
     # BEGIN SOLUTION 5.2 hint: incoming = chain.irecv() before layer.qkv; after it: if incoming is not None: k_prev, v_prev = incoming.wait(); then concatenate, chain.isend(k, v), attend, finish
+    # idea: post the receive before the projection so that the prefix travels while you compute, and wait for it only when you need it
     incoming = chain.irecv()
     q, k, v = layer.qkv(x, pos.cos, pos.sin)
     if incoming is not None:
@@ -74,6 +76,7 @@ def kvr_counts(chunks: list[int]) -> tuple[list[int], int]:
     Raises ValueError for an empty list or a chunk below 1.
     """
     # BEGIN SOLUTION 5.3 hint: running prefix s; dots c * (s + c); rows 2 * (s + c) for every rank but the last
+    # idea: rank i scores c_i queries against the s_i + c_i keys it holds; every rank but the last forwards the whole prefix it holds, K and V
     if not chunks or any(int(c) != c or c < 1 for c in chunks):
         raise ValueError(f"chunks must be a non-empty list of positive integers, got {chunks!r}")
     dots, rows, s = [], 0, 0
@@ -93,7 +96,10 @@ def ttft_lower_bound(ttft1_s: float, world_size: int) -> float:
     ValueError for a world size below 1 or a negative time.
     """
     # BEGIN SOLUTION 5.4 hint: ttft1_s / 2 * (1 / p + 1 / p**2); validate first
-    if world_size < 1 or ttft1_s < 0:
-        raise ValueError(f"need world_size >= 1 and ttft1_s >= 0, got {world_size} and {ttft1_s}")
+    # idea: the paper's bound halves the one-process time and scales it by 1/p + 1/p^2
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1 process, got {world_size}")
+    if ttft1_s < 0:
+        raise ValueError(f"ttft1_s must be a non-negative time in seconds, got {ttft1_s}")
     return ttft1_s / 2 * (1 / world_size + 1 / world_size ** 2)
     # END SOLUTION

@@ -38,6 +38,7 @@ def search_boundary(cost, context: int, min_stride: int = 1) -> list[int]:
     multiple of min_stride lies strictly between 0 and context.
     """
     # BEGIN SOLUTION 6.1 hint: candidates b = k * min_stride, k = 1 .. (context - 1) // min_stride; ternary search on k (or a coarse scan, then halve the stride around the best), remembering costs already computed; stop when 3 or fewer candidates are left and take the best
+    # idea: the cost of the boundary falls and then rises, so narrow the interval around the cheapest point instead of trying every boundary
     if context < 2 or min_stride < 1:
         raise ValueError(f"need context >= 2 and min_stride >= 1, got context={context}, min_stride={min_stride}")
     n = (context - 1) // min_stride                       # candidates k = 1 .. n, boundary k * min_stride
@@ -80,6 +81,7 @@ def grid_search(cost, context: int, world_size: int, stride: int, min_stride: in
     stride < 1 or min_stride < 1.
     """
     # BEGIN SOLUTION 6.2 hint: best = even boundaries; loop: for offsets in itertools.product(range(-span, span + 1), repeat=p - 1) build 0, b_j + o_j * stride ..., context; skip non-increasing; keep the cheapest (remember costs); stop after the level at min_stride, else stride = max(min_stride, stride // 2)
+    # idea: start from the even split, try offsets of every boundary at the current stride, keep the cheapest, then halve the stride around it
     p = world_size
     if p < 2 or context < p or stride < 1 or min_stride < 1:
         raise ValueError(f"need world_size >= 2, context >= world_size, stride >= 1 and min_stride >= 1; got "
@@ -124,6 +126,7 @@ def interpolate_partition(table: dict[int, list[float]], context: int) -> list[i
     when context is smaller than the number of processes.
     """
     # BEGIN SOLUTION 6.3 hint: keys = sorted(table); clamp with keys[0] / keys[-1]; else find lo < context < hi and mix; floors, then sorted(range(p), key=lambda i: -(share[i] - floor[i])) gets the leftovers; fix zeros from the largest chunk
+    # idea: store each searched partition as ratios of its context; a new length mixes the ratios of the two nearest lengths in proportion to its distance from each
     if not table:
         raise ValueError("the lookup table is empty")
     keys = sorted(table)
@@ -164,6 +167,7 @@ def fit_cost_model(samples: list[tuple[float, float, float]]) -> tuple[float, fl
     Raises ValueError for fewer than 3 samples.
     """
     # BEGIN SOLUTION 6.4 hint: X = tensor of rows [tokens, dots, 1.0] (float64), y = seconds; torch.linalg.lstsq(X, y[:, None]).solution; return floats
+    # idea: time = a x tokens + b x dot products + c is linear in the unknowns: solve the least-squares problem
     import torch
 
     if len(samples) < 3:

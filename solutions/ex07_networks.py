@@ -29,6 +29,7 @@ def chain_transfer_s(chunks: list[int], row_bytes: int, bandwidth_bytes_per_s: f
     chunk below 1, row_bytes below 1, a bandwidth <= 0 or a negative latency.
     """
     # BEGIN SOLUTION 7.1 hint: running end e = s_i + c_i; (2 * e * row_bytes) / bandwidth + latency for every rank but the last
+    # idea: each rank but the last sends the prefix it holds, K and V, over a link that costs latency plus bytes over bandwidth
     if not chunks or any(c < 1 for c in chunks) or row_bytes < 1 or bandwidth_bytes_per_s <= 0 or latency_s < 0:
         raise ValueError(f"need positive chunks, row_bytes >= 1, bandwidth > 0 and latency >= 0; got chunks={chunks}, "
                          f"row_bytes={row_bytes}, bandwidth={bandwidth_bytes_per_s}, latency={latency_s}")
@@ -50,6 +51,7 @@ def ring_allgather_s(chunks: list[int], row_bytes: int, bandwidth_bytes_per_s: f
     for one process). Raises ValueError as in Exercise 7.1.
     """
     # BEGIN SOLUTION 7.2 hint: (p - 1) * (2 * max(chunks) * row_bytes / bandwidth + latency)
+    # idea: a ring all-gather takes p - 1 steps, each as long as the largest chunk's transfer
     if not chunks or any(c < 1 for c in chunks) or row_bytes < 1 or bandwidth_bytes_per_s <= 0 or latency_s < 0:
         raise ValueError(f"need positive chunks, row_bytes >= 1, bandwidth > 0 and latency >= 0; got chunks={chunks}, "
                          f"row_bytes={row_bytes}, bandwidth={bandwidth_bytes_per_s}, latency={latency_s}")
@@ -77,6 +79,7 @@ def kvr_ttft(chunks: list[int], n_layers: int, row_bytes: int, cost_model) -> fl
     return that time in seconds (a float).
     """
     # BEGIN SOLUTION 7.3 hint: simulate the ranks one after the other (rank i only waits for rank i-1), keeping per layer when each message arrives; before a send t = max(t, previous send's arrival); the send arrives at t + transfer_s(bytes)
+    # idea: walk the layers rank by rank: a rank starts a layer when its previous layer and its incoming message are both done, and its send waits for the link
     cm = cost_model
     p = len(chunks)
     prev_arrival = [0.0] * n_layers          # when rank i-1's layer-l message is at rank i
@@ -107,6 +110,7 @@ def break_even_context(speedup, lo: int, hi: int) -> int | None:
     calls, not one per context. Raises ValueError when lo < 1 or hi < lo.
     """
     # BEGIN SOLUTION 7.4 hint: if speedup(hi) < 1: None; if speedup(lo) >= 1: lo; else keep speedup(a) < 1 <= speedup(b) and halve [a, b] until b == a + 1
+    # idea: the speedup crosses 1 somewhere in the interval: keep one end below 1 and one at or above, and halve the gap
     if lo < 1 or hi < lo:
         raise ValueError(f"need 1 <= lo <= hi, got lo={lo}, hi={hi}")
     if speedup(hi) < 1:

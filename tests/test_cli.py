@@ -25,6 +25,7 @@ def test_generate_json_naive_equals_cached(capsys):
         assert key in naive
 
 
+@pytest.mark.needs("1.2")
 def test_generate_sampling_is_seeded(capsys):
     argv = ["generate", "--model", "tiny", "--prompt", "abc", "--max-new-tokens", "20", "--json",
             "--temperature", "0.8", "--top-k", "40", "--top-p", "0.9", "--seed", "7"]
@@ -46,6 +47,7 @@ def test_bad_input_exits_2_with_one_clear_line(capsys, argv, message):
     assert err.startswith("error: ") and pytest.importorskip("re").search(message, err)
 
 
+@pytest.mark.needs("5.2")
 @pytest.mark.timeout(120)
 def test_prefill_json_check(capsys):
     out = run_json(capsys, ["prefill", "--model", "tiny", "--context", "40", "--method", "kvr", "--world-size", "2",
@@ -56,6 +58,7 @@ def test_prefill_json_check(capsys):
     assert single["first_token"] == out["first_token"] == out["decoded"][0]
 
 
+@pytest.mark.needs("5.2")
 @pytest.mark.timeout(120)
 def test_search_builds_a_table_that_prefill_uses(capsys, tmp_path):
     cm = CostModel(qkv_s_per_token=1e-6, mlp_s_per_token=1e-6, attn_s_per_dot=1e-8, link_latency_s=1e-5,
@@ -73,6 +76,7 @@ def test_search_builds_a_table_that_prefill_uses(capsys, tmp_path):
     assert pre["partition"] == loaded.predict(384)
 
 
+@pytest.mark.needs("5.2")
 @pytest.mark.timeout(120)
 def test_measured_search_runs_real_processes(capsys):
     out = run_json(capsys, ["search", "--model", "tiny", "--context", "48", "--world-size", "2", "--cost", "measured",

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from toyllm import answers
 from toyllm.grading import GradeReport, grade, load_exercise, make_stub, resolve_impl, sync
-from toyllm.grading.sandbox import _sandbox_user
+from toyllm.grading.sandbox import sandbox_user
 
 ROOT = Path(__file__).resolve().parent.parent
 SUBMISSIONS = ROOT / "tests" / "fixtures" / "submissions"
@@ -492,7 +493,7 @@ def _course_copy(folder: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(_sandbox_user() is None, reason="the grader isolates files from the submission only when it "
+@pytest.mark.skipif(sandbox_user() is None, reason="the grader isolates files from the submission only when it "
                                                     "runs as root and can switch to an unprivileged user")
 def test_a_submission_cannot_forge_its_score_tamper_with_tests_or_read_them(tmp_path, monkeypatch):
     import psutil
@@ -797,7 +798,7 @@ def _run_exercise(impl: Path, exercise: str) -> dict[str, str]:
             continue
         violations = []
         sandbox.context.exercise = exercise
-        sandbox.context.forbidden = tuple(getattr(tests, "FORBIDDEN", {}).get(exercise, ()))
+        sandbox.context.forbidden = tuple(answers.forbidden(exercise))
         sandbox.context.on_violation = lambda ex, message: violations.append(message)
         args = {p: {name: module, "tiny_model": build_model("tiny", seed=0)}[p] for p in inspect.signature(fn).parameters}
         try:

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from fractions import Fraction
 
+from .answers import answer, exercise, shortcut
 from .model import ModelConfig
 
 GB = 1e9           # bytes; the seed's tables count in these
@@ -91,6 +91,7 @@ POP_QUIZ = {"param_count": 30e9, "param_bytes": 30e9, "context": 8192, "kv_bytes
 
 # --------------------------------------------------------------------------- KV cache memory
 
+@answer("2.2", "The KV-cache size")
 def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, tokens: int,
                    bytes_per_value: float = 2, batch: int = 1) -> int | float:
     """Bytes of K and V for ``tokens`` tokens of ``batch`` sequences.
@@ -99,20 +100,16 @@ def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, tokens: int,
     LLaMA-2-13B (40, 40, 128), 8192 tokens in bf16: 6,710,886,400 bytes (6.7 GB).
     Fewer KV heads (GQA, or MQA with one) shrink it by n_heads / n_kv_heads.
     """
-    for name, v in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
-                    ("tokens", tokens), ("batch", batch)):
-        if v < 0:
-            raise ValueError(f"{name} must be non-negative, got {v}")
-    if bytes_per_value <= 0:
-        raise ValueError(f"bytes_per_value must be positive, got {bytes_per_value}")
-    return 2 * n_layers * n_kv_heads * head_dim * tokens * bytes_per_value * batch
+    return exercise("2.2")(n_layers, n_kv_heads, head_dim, tokens, bytes_per_value, batch)
 
 
+@shortcut("2.2")
 def kv_bytes_per_token(cfg: ModelConfig, bytes_per_value: float) -> int | float:
     """KV-cache bytes one token adds over all layers of ``cfg`` (4 for toyllm's float32, 2 for bf16)."""
     return kv_cache_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 1, bytes_per_value)
 
 
+@answer("2.3", "The static KV buffer's size", "static_buffer_bytes")
 def static_kv_buffer_bytes(n_layers: int, n_kv_heads: int, head_dim: int, max_seq_len: int,
                            bits: int = 16, reserve: float = 2.0) -> int:
     """Bytes of a preallocated K/V buffer for a runtime without dynamic shapes.
@@ -129,35 +126,30 @@ def static_kv_buffer_bytes(n_layers: int, n_kv_heads: int, head_dim: int, max_se
     with reserve 1.5, i.e. S-1 + (S-1)/2 rows, 1,609,826,304 bytes (half rows
     allowed, as in the note: the total is still a whole number of bytes).
     """
-    if max_seq_len < 2:
-        raise ValueError(f"max_seq_len S must be at least 2 tokens (a window of S-1 >= 1), got {max_seq_len}")
-    if not 1 <= reserve <= 2:
-        raise ValueError(f"reserve must be between 1 and 2 windows of S-1 rows, got {reserve}")
-    if bits <= 0 or bits % 1:
-        raise ValueError(f"bits must be a positive whole number of bits per value, got {bits}")
-    # Exact rational arithmetic: 1.5 * 2047 rows is 3070.5, and the float route would round.
-    rows = Fraction(reserve) * (max_seq_len - 1)
-    total = 2 * n_layers * n_kv_heads * rows * head_dim * Fraction(bits) / 8
-    return math.ceil(total)
+    return exercise("2.3")(n_layers, n_kv_heads, head_dim, max_seq_len, bits, reserve)
 
 
 # --------------------------------------------------------------------------- arithmetic intensity
 
+@shortcut("3.1")
 def matmul_flops(B: int, D: int, F: int) -> int:
     """FLOPs of a [B, D] x [D, F] matmul: 2 * B * D * F (a multiply and an add per term)."""
     return 2 * B * D * F
 
 
+@shortcut("3.1")
 def matmul_bytes(B: int, D: int, F: int, bytes_per_value: float = 2) -> float:
     """Bytes a [B, D] x [D, F] matmul moves: read both inputs, write the [B, F] output."""
     return bytes_per_value * (B * D + D * F + B * F)
 
 
+@answer("3.1", "The intensity of a matmul")
 def matmul_intensity(B: int, D: int, F: int, bytes_per_value: float = 2) -> float:
     """FLOPs per byte of a [B, D] x [D, F] matmul; about B in bf16 when B << D, F."""
-    return matmul_flops(B, D, F) / matmul_bytes(B, D, F, bytes_per_value)
+    return exercise("3.1")(B, D, F, bytes_per_value)
 
 
+@shortcut("3.2")
 def attention_flops(S: int, T: int, head_dim: int, batch: int = 1, *, group: int = 1) -> int:
     """FLOPs of attention of ``group`` query heads sharing one K/V head, T queries over S keys each.
 
@@ -167,6 +159,7 @@ def attention_flops(S: int, T: int, head_dim: int, batch: int = 1, *, group: int
     return 4 * batch * group * S * T * head_dim
 
 
+@shortcut("3.2")
 def attention_bytes(S: int, T: int, head_dim: int, bytes_per_value: float = 2, batch: int = 1, *,
                     group: int = 1, kernel: str = "fused") -> float:
     """Bytes one K/V head's attention moves for its ``group`` query heads (1: plain multi-head attention).
@@ -190,6 +183,7 @@ def attention_bytes(S: int, T: int, head_dim: int, bytes_per_value: float = 2, b
     return bytes_per_value * batch * values
 
 
+@shortcut("3.2")
 def attention_intensity(S: int, T: int, head_dim: int | None = None, *, group: int = 1, kernel: str = "fused",
                         bytes_per_value: float = 2) -> float:
     """FLOPs per byte of attention, T queries over S keys, ``group`` query heads per K/V head.
@@ -234,6 +228,7 @@ def crossing_batch(D: int, F: int, peak_flops: float, bandwidth_bytes_per_s: flo
     return max(1, math.ceil(ridge * bytes_per_value * D * F / spare))
 
 
+@shortcut("3.4")
 def roofline_time_s(flops: float, bytes_moved: float, peak_flops: float, bandwidth_bytes_per_s: float) -> float:
     """Lower bound on an operation's time (seconds) if compute and memory traffic overlap perfectly."""
     return max(flops / peak_flops, bytes_moved / bandwidth_bytes_per_s)
@@ -281,6 +276,7 @@ def param_bytes(cfg: ModelConfig, bytes_per_value: float) -> float:
 
 # --------------------------------------------------------------------------- step time and throughput
 
+@answer("3.3", "The memory-bound step time", also=("3.5",))
 def min_step_time_s(param_bytes: float, kv_bytes_per_seq: float, batch: int,
                     hbm_bandwidth_bytes_per_s: float) -> float:
     """Lower bound on one decode step (seconds) when it is memory-bound.
@@ -288,19 +284,17 @@ def min_step_time_s(param_bytes: float, kv_bytes_per_seq: float, batch: int,
     Each step reads every parameter once and every sequence's KV cache once:
     (batch * kv_bytes_per_seq + param_bytes) / bandwidth. Good for small batches.
     """
-    if batch < 0:
-        raise ValueError(f"batch must be non-negative, got {batch}")
-    if hbm_bandwidth_bytes_per_s <= 0:
-        raise ValueError(f"bandwidth must be positive bytes/s, got {hbm_bandwidth_bytes_per_s}")
-    return (batch * kv_bytes_per_seq + param_bytes) / hbm_bandwidth_bytes_per_s
+    return exercise("3.3")(param_bytes, kv_bytes_per_seq, batch, hbm_bandwidth_bytes_per_s)
 
 
+@answer("3.5", "The decode throughput bound")
 def max_throughput_tokens_per_s(param_bytes: float, kv_bytes_per_seq: float, batch: int,
                                 hbm_bandwidth_bytes_per_s: float) -> float:
     """Upper bound on decode throughput: batch tokens per minimal step (tokens/s)."""
-    return batch / min_step_time_s(param_bytes, kv_bytes_per_seq, batch, hbm_bandwidth_bytes_per_s)
+    return exercise("3.5")(param_bytes, kv_bytes_per_seq, batch, hbm_bandwidth_bytes_per_s)
 
 
+@answer("3.4", "The decode step time")
 def step_time_s(param_bytes: float, kv_bytes_per_seq: float, batch: int, hbm_bandwidth_bytes_per_s: float,
                 param_count: float, peak_flops: float) -> float:
     """Decode step time (seconds) once large batches make the matmuls compute-bound.
@@ -310,11 +304,10 @@ def step_time_s(param_bytes: float, kv_bytes_per_seq: float, batch: int, hbm_ban
     weights (param_bytes / bandwidth) and doing the math
     (2 * batch * param_count / peak FLOP/s).
     """
-    attention = batch * kv_bytes_per_seq / hbm_bandwidth_bytes_per_s
-    matmuls = max(2 * batch * param_count / peak_flops, param_bytes / hbm_bandwidth_bytes_per_s)
-    return attention + matmuls
+    return exercise("3.4")(param_bytes, kv_bytes_per_seq, batch, hbm_bandwidth_bytes_per_s, param_count, peak_flops)
 
 
+@shortcut("3.4")
 def pop_quiz_step_times_s(batches=(4, 256)) -> dict[int, float]:
     """The chapter's pop quiz: 30B int8 model, 8192-token contexts, 100 kB/token KV, TPU v5e 4x4.
 
@@ -328,13 +321,13 @@ def pop_quiz_step_times_s(batches=(4, 256)) -> dict[int, float]:
                            q["param_count"], hw.total_flops) for b in batches}
 
 
+@answer("3.6", "The largest batch")
 def max_batch_size(param_bytes: float, kv_bytes_per_seq: float, hbm_bytes: float) -> int:
     """Most sequences whose KV caches fit in memory next to the parameters (0 if the weights alone do not fit)."""
-    if kv_bytes_per_seq <= 0:
-        raise ValueError(f"kv_bytes_per_seq must be positive, got {kv_bytes_per_seq}")
-    return max(0, math.floor((hbm_bytes - param_bytes) / kv_bytes_per_seq))
+    return exercise("3.6")(param_bytes, kv_bytes_per_seq, hbm_bytes)
 
 
+@shortcut("3.3", "3.5", "3.6")
 def llama2_13b_table(batch_sizes=(1, 8, 16, 32, 64, 240), n_kv_heads: int = 40, rounded: bool = True,
                      hardware: HardwareSpec = TPU_V5E_X8) -> list[dict]:
     """The chapter's LLaMA-2-13B decode table on 8x TPU v5e, one dict per batch size.

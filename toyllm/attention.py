@@ -31,10 +31,13 @@ can pass its own function instead.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from .answers import answer, exercise, shortcut, written
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -55,26 +58,29 @@ def group_queries(q: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
     return q.reshape(B, n_kv_heads, (H // n_kv_heads) * T, D)
 
 
+@shortcut("2.1")
 def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     """Boolean (T, S) mask: query at position p may see keys at positions <= p."""
     return k_pos[None, :] <= q_pos[:, None]
 
 
+@answer("2.1", "The dense attention kernel", "attention_with_offset")
 @handles_gqa
 def dense_attention(q, k, v, q_pos, k_pos):
-    """Textbook attention: every dot product of QK^T, then mask, softmax, times V.
+    """Textbook attention: every dot product of QK^T, then mask, softmax, times V (Exercise 2.1).
 
     This is the kernel the KV-Runahead paper counts (c_i * (s_i + c_i) dot
     products per rank), so every method in a comparison uses it by default.
+    With grouped-query attention each K/V head is copied out to the query
+    heads that share it, as the exercise expects.
     """
-    B, H, T, D = q.shape
-    Hkv, S = k.shape[1], k.shape[-2]
-    scores = group_queries(q, Hkv) @ k.transpose(-2, -1) / math.sqrt(D)  # (B, Hkv, G*T, S)
-    # In place on a (B, Hkv, G, T, S) view, so one (T, S) mask serves every group: scores can be GBs.
-    scores.view(B, Hkv, H // Hkv, T, S).masked_fill_(~causal_mask(q_pos, k_pos), float("-inf"))
-    return (torch.softmax(scores, dim=-1) @ v).view(B, H, T, D)          # (B, H, T, D)
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)    # (B, H, S, D)
+    return exercise("2.1")(q, k, v, q_pos, k_pos)                                    # (B, H, T, D)
 
 
+@shortcut("2.1")
 @handles_gqa
 def sdpa_attention(q, k, v, q_pos, k_pos):
     """PyTorch's fused kernel. With a plain causal square it may skip the masked half."""
@@ -93,7 +99,22 @@ def get_attention(kernel: str | AttentionFn) -> AttentionFn:
         return kernel
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {sorted(ATTENTION_KERNELS)}")
-    return ATTENTION_KERNELS[kernel]
+    chosen = ATTENTION_KERNELS[kernel]
+    if chosen is dense_attention and not written("2.1"):
+        # Lesson 01 comes before Exercise 2.1 (lesson 02): until it is written, models run PyTorch's kernel.
+        _say_once("toyllm: the dense attention kernel is Exercise 2.1 (exercises/ex02_kv_cache.py); until you "
+                  "write it, models use PyTorch's fused kernel (sdpa), which gives the same results")
+        return sdpa_attention
+    return chosen
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        print(message, file=sys.stderr)
 
 
 # --------------------------------------------------------------------------- kernels that skip masked work
@@ -110,6 +131,7 @@ def skips_masked(fn: AttentionFn) -> AttentionFn:
     return fn
 
 
+@shortcut("2.1")
 @skips_masked
 @handles_gqa
 def blockwise_attention(q, k, v, q_pos, k_pos, block: int = 256):
@@ -176,6 +198,7 @@ def _plain(q, k, v, causal: bool):
     return torch.softmax(scores, dim=-1) @ v, lse
 
 
+@shortcut("2.1")
 def attention_with_lse(q, k, v, causal: bool = False):
     """Attention of q (B, H, T, D) over k, v with as many heads, and each row's log-sum-exp (B, H, T).
 
@@ -202,6 +225,7 @@ def _contiguous(pos: torch.Tensor) -> bool:
     return len(pos) > 0 and bool((pos.diff() == 1).all())
 
 
+@shortcut("2.1")
 @skips_masked
 @handles_gqa
 def causal_attention(q, k, v, q_pos, k_pos):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .answers import shortcut
 from .model import ModelConfig
 
 
@@ -95,6 +96,7 @@ class StaticKVCache:
         self.copied_rows = 0
 
     @classmethod
+    @shortcut("2.3")
     def for_model(cls, cfg: ModelConfig, max_tokens: int, reserve: float = 2.0, batch: int = 1, **kw) -> "StaticKVCache":
         """A cache for sequences of up to ``max_tokens`` tokens (S), holding S-1 of them."""
         if max_tokens < 2:

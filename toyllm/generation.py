@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from .answers import answer, exercise, shortcut
 from .cache import DynamicKVCache, StaticKVCache, make_cache
 from .utils import random_prompt  # noqa: F401  (re-exported: tests and lessons use it from here)
 
@@ -59,39 +60,34 @@ def check_sampling(temperature: float = 0.0, top_k: int | None = None, top_p: fl
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
+@answer("1.2", "Sampling", also=("1.1",))
 def sample_next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
                       top_p: float | None = None, generator: torch.Generator | None = None) -> int:
-    """Pick the next token id from one position's logits (vocab,).
+    """Pick the next token id from one position's logits (vocab,) (Exercise 1.2).
 
     temperature 0 is greedy (argmax). Otherwise the logits are divided by the
     temperature, cut to the top_k most likely tokens and then to the smallest
     set whose probability reaches top_p, and one token is drawn.
     """
-    check_sampling(temperature, top_k, top_p)
-    return int(sample_next_tokens(logits[None], temperature, top_k, top_p, generator)[0])
+    return exercise("1.2")(logits, temperature, top_k, top_p, generator)
 
 
 def sample_next_tokens(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
                        top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-    """``sample_next_token`` for a batch: logits (B, vocab) -> token ids (B,), each row on its own."""
+    """``sample_next_token`` for a batch: logits (B, vocab) -> token ids (B,), each row on its own.
+
+    Greedy picks are one argmax over the batch; sampled ones draw row by row,
+    in order, from the same generator.
+    """
     if temperature == 0:
         return torch.argmax(logits, dim=-1)
-    logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]           # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        p = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the ones before it already reach top_p (the top one always stays)
-        drop = (p.cumsum(-1) - p) >= top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return torch.tensor([sample_next_token(row, temperature, top_k, top_p, generator) for row in logits],
+                        device=logits.device)
 
 
 # --------------------------------------------------------------------------- the two building blocks of cached generation
 
+@shortcut("1.3", "2.4")
 @torch.no_grad()
 def prefill(model, ids: torch.Tensor, cache) -> torch.Tensor:
     """Run prompt ids (1, T) through the model after what ``cache`` holds; returns the last logits (vocab,).
@@ -107,6 +103,7 @@ def _prefill_batch(model, ids: torch.Tensor, cache) -> torch.Tensor:
     return model(ids, input_pos=cache.length, cache=cache, last_only=True)[:, -1]
 
 
+@shortcut("1.3", "2.4")
 @torch.no_grad()
 def decode_step(model, token: int, cache) -> torch.Tensor:
     """Feed one new token at position ``cache.length``; returns its logits (vocab,)."""
@@ -184,6 +181,7 @@ def _check_request(model, prompts, max_new_tokens, method, cache, prefilled_logi
                              f"has {cache.window - cache.length} (window S-1 = {cache.window})")
 
 
+@shortcut("1.1", "1.2", "1.3", "2.4")
 @torch.no_grad()
 def generate(model, prompt_ids: list[int] | list[list[int]], max_new_tokens: int = 32, *, method: str = "cached",
              cache: str | DynamicKVCache | StaticKVCache = "static", temperature: float = 0.0,

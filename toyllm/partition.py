@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from .answers import answer, exercise, shortcut
+
 METHODS = ("kvr", "tsp")
 
 CostFn = Callable[[list[int]], float]   # chunks (tokens per rank) -> seconds
@@ -106,6 +108,7 @@ def even_partition(context: int, world_size: int) -> list[int]:
     return [base + 1 if i < extra else base for i in range(p)]
 
 
+@shortcut("6.3")
 def partition_from_ratios(context: int, ratios: Sequence[float]) -> list[int]:
     """Chunk sizes in proportion to ``ratios`` that add up to exactly ``context``.
 
@@ -171,6 +174,7 @@ def _check_method(method: str) -> str:
     return method
 
 
+@shortcut("4.1", "4.3", "5.3")
 def dot_products(chunks: Sequence[int], method: str) -> list[int]:
     """Query-key dot products per rank and per layer and head, with dense attention.
 
@@ -187,6 +191,7 @@ def dot_products(chunks: Sequence[int], method: str) -> list[int]:
     return [c * (s + c) for c, s in zip(chunks, prefixes(chunks))]
 
 
+@shortcut("4.3", "5.3")
 def kv_rows_sent(chunks: Sequence[int], method: str) -> list[int]:
     """Rows of K plus rows of V each rank puts on the network, per layer.
 
@@ -211,6 +216,7 @@ def net_tsp(context: int, world_size: int) -> int:
     return (p - 1) * C
 
 
+@shortcut("5.3")
 def net_kvr_even(context: int, world_size: int) -> float:
     """Paper's Net_kvr for an even split: ``C/p + 2C/p + ... + (p-1)C/p = (p-1) * C / 2`` rows of one tensor.
 
@@ -220,20 +226,16 @@ def net_kvr_even(context: int, world_size: int) -> float:
     return (p - 1) * C / 2
 
 
-def ttft_lower_bound(ttft1: float, world_size: int) -> float:
-    """Paper's TTFT*(p) = TTFT(1)/2 * (1/p + 1/p^2), seconds.
+@answer("5.4", "The TTFT lower bound")
+def ttft_lower_bound(ttft1_s: float, world_size: int) -> float:
+    """Paper's TTFT*(p) = TTFT(1)/2 * (1/p + 1/p^2), seconds (Exercise 5.4).
 
     The time on p processes if attention (cost ~ C^2) were perfectly
     balanced and communication free. It is super-linear: p=2 gives
     TTFT(1) * 3/8, better than TTFT(1)/2, because the rectangles of p ranks
     skip most of the masked upper triangle that one process computes.
     """
-    p = _check_int(world_size, "world size")
-    if p < 1:
-        raise ValueError(f"world size must be at least 1 process, got {p}")
-    if ttft1 < 0:
-        raise ValueError(f"ttft1 must be a non-negative time in seconds, got {ttft1}")
-    return ttft1 / 2 * (1 / p + 1 / p ** 2)
+    return exercise("5.4")(ttft1_s, world_size)
 
 
 # --------------------------------------------------------------------------- searching
@@ -312,6 +314,7 @@ def _strides(context: int, world_size: int, span: int, stride, min_stride) -> tu
     return max(min_stride, _check_int(stride, "stride")), min_stride
 
 
+@shortcut("6.1", "6.2")
 def search_boundary_1d(cost: CostFn, context: int, min_stride: int = 1, stride: int | None = None,
                        progress: bool = False) -> SearchResult:
     """Best split of ``context`` tokens between two processes, ``[c_0, c_1]``.
@@ -353,6 +356,7 @@ def search_boundary_1d(cost: CostFn, context: int, min_stride: int = 1, stride: 
     return f.result((0, best, C))
 
 
+@shortcut("6.1", "6.2")
 def hierarchical_grid_search(cost: CostFn, context: int, world_size: int, stride: int | None = None,
                              min_stride: int = 1, span: int = 2, recenter: bool = True,
                              progress: bool = False) -> SearchResult:
@@ -411,6 +415,7 @@ def hierarchical_grid_search(cost: CostFn, context: int, world_size: int, stride
     return f.result(best)
 
 
+@shortcut("6.1", "6.2")
 def exhaustive_search(cost: CostFn, context: int, world_size: int, stride: int = 1) -> SearchResult:
     """Try every partition whose inner boundaries are multiples of ``stride``: the slow reference.
 
@@ -432,6 +437,7 @@ def exhaustive_search(cost: CostFn, context: int, world_size: int, stride: int =
 
 # --------------------------------------------------------------------------- lookup table
 
+@shortcut("6.3")
 class PartitionTable:
     """Best partitions per context length, for one number of processes (the paper's KVR-P).
 
@@ -522,6 +528,7 @@ class PartitionTable:
         return f"PartitionTable(world_size={self.world_size}, contexts={self.contexts})"
 
 
+@shortcut("6.1", "6.2")
 def search_partition(cost: CostFn, context: int, world_size: int, min_stride: int | None = None,
                      span: int | None = None, progress: bool = False) -> SearchResult:
     """The search to use for ``world_size`` processes: the 1-D boundary search for 2, the grid search above.

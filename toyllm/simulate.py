@@ -39,6 +39,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .answers import shortcut
 from .model import ModelConfig
 from .partition import even_partition, prefixes, search_partition, ttft_lower_bound, validate_partition
 from .timeline import Event
@@ -118,6 +119,7 @@ class CostModel:
         return n_bytes / self.link_bandwidth_bytes_per_s * slowdown + self.link_latency_s
 
     @classmethod
+    @shortcut("6.4")
     def calibrate(cls, cfg: ModelConfig, contexts: Sequence[int] = (256, 512, 1024), threads: int = 1,
                   repeats: int = 3, attention="dense", link_bandwidth_bytes_per_s: float = 3e9,
                   link_latency_s: float = 50e-6, seed: int = 0) -> "CostModel":
@@ -290,6 +292,7 @@ def _noise_fn(link_noise) -> LinkNoise:
                      f"got {link_noise!r}")
 
 
+@shortcut("7.3")
 def simulate_prefill(cfg: ModelConfig, chunks: Sequence[int], method: str, cost_model: CostModel,
                      overlap: bool = True, link_noise: float | LinkNoise | None = None,
                      record_events: bool = True) -> SimResult:
@@ -379,6 +382,7 @@ def _simulate_tsp(cfg, chunks, cm: CostModel, noise: LinkNoise, events) -> list[
 
 # --------------------------------------------------------------------------- glue for searches and lessons
 
+@shortcut("7.3")
 def ttft_cost(cfg: ModelConfig, cost_model: CostModel, method: str = "kvr", overlap: bool = True,
               link_noise: float | LinkNoise | None = None) -> Callable[[list[int]], float]:
     """``cost(chunks) -> simulated TTFT in seconds``, ready for the searches in ``toyllm.partition``."""
@@ -388,6 +392,7 @@ def ttft_cost(cfg: ModelConfig, cost_model: CostModel, method: str = "kvr", over
     return cost
 
 
+@shortcut("7.3")
 def compare_methods(cfg: ModelConfig, context: int, world_size: int, cost_model: CostModel,
                     min_stride: int | None = None, span: int | None = None,
                     link_noise: float | LinkNoise | None = None) -> dict:

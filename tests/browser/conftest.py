@@ -8,8 +8,9 @@ Selenium never looks for a browser of its own.
 The server runs on 127.0.0.1 with a random token, on a copy of the notebooks in
 a temporary folder (the committed notebooks are never written, whatever the
 page does), with its own settings, config, data and runtime folders. Its
-environment carries ``TOYLLM_IMPL=solutions`` and ``TOYLLM_FAST=1``, which each
-kernel inherits.
+environment carries ``TOYLLM_FAST=1`` and the run's ``TOYLLM_IMPL`` (``make test``:
+the model answers in the instructor edition, the student's exercises in the
+student edition), which each kernel inherits.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 INSTALL_HINT = ("the browser tests need Debian's Chromium and its driver: "
                 "apt-get install chromium chromium-driver (as root), then make test-browser")
-KERNEL_ENV = {"TOYLLM_IMPL": "solutions", "TOYLLM_FAST": "1"}
+KERNEL_ENV = {"TOYLLM_IMPL": os.environ.get("TOYLLM_IMPL") or "exercises", "TOYLLM_FAST": "1"}
 SERVER_START_TIMEOUT_S = 90
 WINDOW = (1400, 1000)   # pixels; wide enough for the explorers' 480-pixel sliders and their figures
 

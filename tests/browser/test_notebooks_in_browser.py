@@ -29,6 +29,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from toyllm import answers
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LESSONS = sorted((REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 BROKEN = Path(__file__).parent / "fixtures" / "broken_outputs.ipynb"
@@ -229,6 +231,7 @@ def test_the_check_flags_broken_outputs(lab, browser, copy_into_lab):
     assert re.search(r"code cell 7 .*did not run", text), text   # Run All stops at the error
 
 
+@pytest.mark.needs(*sorted(answers.answer_marks()))    # the lessons run the exercises the framework is built on
 @pytest.mark.timeout(RUN_TIMEOUT_S + 300)
 @pytest.mark.parametrize("path", LESSONS, ids=[p.stem for p in LESSONS])
 def test_lesson_runs_and_renders_in_jupyterlab(path, lab, browser, copy_into_lab):

@@ -5,7 +5,8 @@ The tests reach exercise code only through the ``exNN`` fixtures here
 decides whether they check the stubs in ``exercises/``, the model answers in
 ``solutions/`` or a student's folder. Under the grader the fixture gives a
 proxy whose functions run in the sandbox process; in a plain pytest run, the
-module itself, wrapped so the same rules apply (the exercise's ``FORBIDDEN``
+module itself, wrapped so the same rules apply (toyllm's functions marked as
+the exercise's answer or a shortcut to it, ``toyllm.answers``;
 functions, the model answers standing in for the lesson's other exercises).
 Loading happens inside a fixture: a submission that does not even import
 fails its tests one by one instead of breaking collection.
@@ -21,7 +22,7 @@ import os
 import pytest
 import torch
 
-from toyllm import build_model
+from toyllm import answers, build_model
 from toyllm.grading import load_exercise
 from toyllm.grading.sandbox import SANDBOX_ENV, LocalModule
 
@@ -58,20 +59,19 @@ for _n in range(1, 10):
     globals()[f"ex{_n:02d}"] = _fixture(f"ex{_n:02d}")
 
 
-# toyllm's own answers to the engine exercises of lessons 04-05: a step naming one scores nothing.
-ENGINE_STEPS = {"tsp_layer", "tsp_trimmed_layer", "tsp_zigzag_layer", "kvr_layer", "kvr_layer_blocking",
-                "default_step", "single_prefill", "parallel_prefill"}
 ENGINE_ATOL = 1e-4      # float32 logits: the ranks sum the same products in another order
 
 
-def _assert_independent(fn, exercise: str, forbidden: set[str] = ENGINE_STEPS) -> None:
+def _assert_independent(fn, exercise: str) -> None:
     """Fail when the source of submitted function ``fn`` names one of toyllm's own implementations.
 
-    For code that runs where the runtime guard (``FORBIDDEN``) cannot see it,
+    For code that runs where the runtime guard (``toyllm.grading.guard``) cannot see it,
     such as a per-layer step inside the parallel engine's worker processes.
     The source is read by the grader from the submitted file, never asked of
-    the submission.
+    the submission. The names are those of toyllm's functions marked as the
+    exercise's answer or a shortcut to it (``toyllm.answers``).
     """
+    forbidden = {spec.rpartition(":")[2].rpartition(".")[2] for spec in answers.forbidden(exercise)}
     path = getattr(fn, "source_file", None)
     if path is None:
         return

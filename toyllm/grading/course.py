@@ -1,8 +1,8 @@
 """Where the course lives: the folders of exercises, model answers and graded tests.
 
-The grader needs ``exercises/``, ``solutions/`` and ``tests/grading/`` of a
-course checkout, wherever toyllm itself is installed. They are found, in
-this order: the folder named by ``TOYLLM_COURSE_DIR``; the current
+The grader needs ``exercises/`` and ``tests/grading/`` of a course
+checkout (and ``solutions/`` in the instructor edition; the student edition
+has none), wherever toyllm itself is installed. They are found, in this order: the folder named by ``TOYLLM_COURSE_DIR``; the current
 directory or the nearest folder above it that holds all three (so a
 notebook in ``notebooks/`` finds its course); the folder above the
 installed package (an editable install inside the checkout).
@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 COURSE_ENV = "TOYLLM_COURSE_DIR"
-_PARTS = ("exercises", "solutions", "tests/grading")
+_PARTS = ("exercises", "tests/grading")
 
 
 def _is_course(folder: Path) -> bool:
@@ -49,7 +49,11 @@ def exercises_dir() -> Path:
 
 
 def solutions_dir() -> Path:
-    return course_root() / "solutions"
+    folder = course_root() / "solutions"
+    if not folder.is_dir():
+        raise ValueError(f"{folder.parent} has no solutions/: this is the student edition, "
+                         "which carries no model answers")
+    return folder
 
 
 def grading_tests_dir() -> Path:
@@ -86,7 +90,7 @@ def current_impl() -> str:
     return os.environ.get(IMPL_ENV) or DEFAULT_IMPL
 
 
-def _exercise_file(folder: Path, name: str) -> Path:
+def exercise_file(folder: Path, name: str) -> Path:
     """``folder/exNN_*.py`` for ``name`` = "ex01", "ex01_naive_generation" or "1"."""
     stem = name[:-3] if name.endswith(".py") else name
     if stem.isdigit():

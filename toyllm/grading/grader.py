@@ -30,8 +30,8 @@ from pathlib import Path
 from .course import course_root, grading_tests_dir
 from .impl import IMPL_ENV, NAMED_IMPLS, current_impl, resolve_impl
 from .course import COURSE_ENV
-from .plugin import _EXERCISE_ID, _EXERCISES_ENV, _LESSON_ENV, _LOG_ENV
-from .sandbox import DEFAULT_MEMORY_MB, MEMORY_ENV, SANDBOX_ENV, TIMEOUT_ENV, HIDE_ENV, _namespaces_work, _sandbox_user, isolation
+from .plugin import EXERCISE_ID, EXERCISES_ENV, LESSON_ENV, LOG_ENV
+from .sandbox import DEFAULT_MEMORY_MB, MEMORY_ENV, SANDBOX_ENV, TIMEOUT_ENV, HIDE_ENV, namespaces_work, sandbox_user, isolation
 
 
 
@@ -201,7 +201,7 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
         extra_dir = Path(extra_tests).expanduser().resolve()
         if not extra_dir.is_dir():
             raise ValueError(f"extra tests folder {str(extra_tests)!r} does not exist")
-        if _sandbox_user() is not None and not _namespaces_work() and _open_to_others(extra_dir):
+        if sandbox_user() is not None and not namespaces_work() and _open_to_others(extra_dir):
             raise ValueError(f"the hidden tests in {extra_dir} can be read by every user, so also by the "
                              f"submission (it runs as an unprivileged user): chmod -R o-rwx {extra_dir}")
     local = _lesson_files(grading_tests_dir())
@@ -209,9 +209,9 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
     if only is not None:
         names = str(only).split(",") if isinstance(only, (str, int)) else only
         wanted = {_lesson_of(x) for x in names}
-        exercise_ids = {str(x).strip() for x in names if _EXERCISE_ID.match(str(x).strip())}
+        exercise_ids = {str(x).strip() for x in names if EXERCISE_ID.match(str(x).strip())}
         # a lesson asked for as a whole is graded whole, even if one of its exercises is also named
-        whole = {_lesson_of(x) for x in names if not _EXERCISE_ID.match(str(x).strip())}
+        whole = {_lesson_of(x) for x in names if not EXERCISE_ID.match(str(x).strip())}
         only_exercises = {n: {e for e in exercise_ids if _lesson_of(e) == n} for n in wanted - whole}
     if results_path is not None and not Path(results_path).expanduser().resolve().parent.is_dir():
         raise ValueError(f"--results {results_path}: the folder {Path(results_path).expanduser().resolve().parent} "
@@ -328,8 +328,8 @@ def _run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env
     cmd = [sys.executable, "-m", "pytest", *map(str, files), *([str(extra_dir)] if extra_dir else []),
            "-p", "toyllm.grading.plugin", "-p", "no:cacheprovider", f"--timeout={timeout_s:g}", "-q", "--no-header",
            "--import-mode=importlib", f"--rootdir={tmp}", "-c", os.devnull, "-o", "console_output_style=classic"]
-    env = dict(os.environ, **{IMPL_ENV: impl_env, _LOG_ENV: str(log), _LESSON_ENV: str(lesson),
-                              _EXERCISES_ENV: ",".join(sorted(exercises or ())), "PYTHONHASHSEED": "0",
+    env = dict(os.environ, **{IMPL_ENV: impl_env, LOG_ENV: str(log), LESSON_ENV: str(lesson),
+                              EXERCISES_ENV: ",".join(sorted(exercises or ())), "PYTHONHASHSEED": "0",
                               "PYTHONDONTWRITEBYTECODE": "1",      # no __pycache__ beside a submission
                               COURSE_ENV: str(course_root()), SANDBOX_ENV: "1", TIMEOUT_ENV: f"{timeout_s:g}",
                               MEMORY_ENV: str(memory_mb),

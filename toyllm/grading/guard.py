@@ -1,12 +1,9 @@
 """The rules a submitted function runs under while it is graded.
 
-1. **Independence.** Each graded test file lists, per exercise, toyllm's own
-   implementations of what the exercise asks for::
-
-       FORBIDDEN = {"2.1": ["toyllm.model:dense_attention"], ...}
-
-   While a test of Exercise 2.1 calls the submission, each listed function
-   is guarded: a call that comes from the submission (its file is on the
+1. **Independence.** toyllm marks its own implementations of what each
+   exercise asks for (``@answer`` and ``@shortcut`` in ``toyllm.answers``).
+   While a test of Exercise 2.1 calls the submission, each function marked
+   for 2.1 is guarded: a call that comes from the submission (its file is on the
    call stack, or the direct caller is not toyllm/torch/standard-library
    code, such as ``exec``'d text) raises ``IndependenceError`` and is
    recorded, and the whole exercise scores zero. The guard replaces the

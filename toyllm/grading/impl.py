@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from .course import DEFAULT_IMPL, IMPL_ENV, NAMED_IMPLS, _exercise_file, current_impl, resolve_impl  # noqa: F401
+from .course import DEFAULT_IMPL, IMPL_ENV, NAMED_IMPLS, exercise_file, current_impl, resolve_impl  # noqa: F401
 
 _loaded: dict[Path, tuple[tuple[int, int], ModuleType]] = {}
 
@@ -42,15 +42,15 @@ def load_exercise(name: str, impl: str | os.PathLike | None = None) -> ModuleTyp
         from .sandbox import remote_module
 
         return remote_module(name)
-    path = _exercise_file(resolve_impl(impl), name)
+    path = exercise_file(resolve_impl(impl), name)
     stat = path.stat()
     stamp = (stat.st_mtime_ns, stat.st_size)
     cached = _loaded.get(path)
     if cached is not None and cached[0] == stamp:
         return cached[1]
-    tag = path.parent.name if path.parent in NAMED_IMPLS.values() else \
-        "dir_" + hashlib.sha1(str(path.parent).encode()).hexdigest()[:8]
-    module_name = f"_toyllm_{tag}_{path.stem}"
+    # one module name per folder, so a student's ex01 and the model answers' ex01 never collide
+    folder_tag = hashlib.sha1(str(path.parent).encode()).hexdigest()[:8]
+    module_name = f"_toyllm_{folder_tag}_{path.stem}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module       # what the import system does too (dataclasses, pickling need it)

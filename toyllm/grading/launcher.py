@@ -28,7 +28,7 @@ _MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
 _MNT_DETACH = 2
 
 
-def _libc():
+def libc():
     return ctypes.CDLL(None, use_errno=True)
 
 
@@ -42,7 +42,7 @@ def _needed_paths() -> list[Path]:
             Path(importlib.util.find_spec("torch").origin).resolve().parent, Path(__file__).resolve().parents[1]]
 
 
-def _closed_folders() -> dict[Path, set[str]]:
+def closed_folders() -> dict[Path, set[str]]:
     """{folder other users cannot enter: {its entries the sandbox needs}} (e.g. {/root: {".pyenv"}})."""
     closed: dict[Path, set[str]] = {}
     for path in _needed_paths():
@@ -56,14 +56,14 @@ def _closed_folders() -> dict[Path, set[str]]:
 _namespace_probe: bool | None = None
 
 
-def _namespaces_work() -> bool:
+def namespaces_work() -> bool:
     """Can this (root) process make a private mount namespace? Tried once, in a throwaway child."""
     global _namespace_probe
     if _namespace_probe is None:
         pid = os.fork()
         if pid == 0:
             try:
-                os._exit(0 if _libc().unshare(_CLONE_NEWNS) == 0 else 1)
+                os._exit(0 if libc().unshare(_CLONE_NEWNS) == 0 else 1)
             except BaseException:
                 os._exit(1)
         _namespace_probe = os.waitpid(pid, 0)[1] == 0
@@ -71,7 +71,7 @@ def _namespaces_work() -> bool:
 
 
 def _mount(source, target, fstype, flags, data=None) -> None:
-    libc = _libc()
+    libc = libc()
     enc = lambda x: None if x is None else str(x).encode()
     if libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)) != 0:
         err = ctypes.get_errno()
@@ -85,11 +85,11 @@ def _private_view(hide: list[Path], scratch: Path) -> None:
     tmpfs that anyone may enter, holding only the entries Python needs
     (bound back from the original), so the rest stays out of sight.
     """
-    libc = _libc()
+    libc = libc()
     if libc.unshare(_CLONE_NEWNS) != 0:
         raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed")
     _mount("none", "/", None, _MS_REC | _MS_PRIVATE)
-    for i, (folder, entries) in enumerate(sorted(_closed_folders().items())):
+    for i, (folder, entries) in enumerate(sorted(closed_folders().items())):
         stage = scratch / f".stage{i}"
         stage.mkdir()
         _mount(folder, stage, None, _MS_BIND | _MS_REC)
@@ -110,7 +110,7 @@ def main() -> None:
     fd, reference, parent_pid, limits, user, hide = sys.argv[1:7]
     if user != "-" and os.geteuid() == 0:
         uid, gid = (int(x) for x in user.split(","))
-        if _namespaces_work():
+        if namespaces_work():
             _private_view([Path(p) for p in hide.split(os.pathsep) if p], Path.cwd())
         os.setgroups([])
         os.setgid(gid)

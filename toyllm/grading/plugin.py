@@ -8,26 +8,28 @@ process is the trusted side: the submission runs in the sandbox
 (``sandbox.py``), which never sees the log.
 
 It also tells the sandbox (or the in-process rules) which exercise the
-running test grades, which functions that exercise may not call (the
-``FORBIDDEN`` dicts of the graded test files, merged) and by when a call
-must be back (the test's timeout).
+running test grades, which functions that exercise may not call (toyllm's
+functions marked as its answer or a shortcut to it, ``toyllm.answers``) and
+by when a call must be back (the test's timeout).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import time
 
+from .. import answers
 from . import sandbox
 from .impl import IMPL_ENV, NAMED_IMPLS, current_impl, resolve_impl
 
-_EXERCISE_ID = re.compile(r"^(\d+)\.(\d+)$")
+EXERCISE_ID = re.compile(r"^(\d+)\.(\d+)$")
 
 # Set by the grader in each pytest subprocess; the hooks below read them.
-_LOG_ENV = "TOYLLM_GRADE_LOG"          # file the plugin appends one JSON line per event to
-_LESSON_ENV = "TOYLLM_GRADE_LESSON"    # run only tests of this lesson (an int)
-_EXERCISES_ENV = "TOYLLM_GRADE_EXERCISES"   # and, if set, only these exercises ("1.2,1.3")
+LOG_ENV = "TOYLLM_GRADE_LOG"          # file the plugin appends one JSON line per event to
+LESSON_ENV = "TOYLLM_GRADE_LESSON"    # run only tests of this lesson (an int)
+EXERCISES_ENV = "TOYLLM_GRADE_EXERCISES"   # and, if set, only these exercises ("1.2,1.3")
 
 def pytest_addoption(parser):
     group = parser.getgroup("toyllm", "toyllm exercises")
@@ -38,6 +40,8 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "exercise(id): the graded exercise a test belongs to, e.g. '1.2'")
     config.addinivalue_line("markers", "points(n): points a graded test is worth (all or nothing)")
+    config.addinivalue_line("markers", "needs(*ids): exercises the framework must run for this test, e.g. '2.1'; "
+                                       "the student edition skips it until they are written")
     impl = config.getoption("--impl", default=None)
     if impl:
         try:
@@ -76,46 +80,28 @@ def points_of(item) -> float | None:
 
 
 def _log(record: dict) -> None:
-    path = os.environ.get(_LOG_ENV)
+    path = os.environ.get(LOG_ENV)
     if path:
         with open(path, "a") as f:              # reopened per record: a crash loses nothing written
             f.write(json.dumps(record) + "\n")
 
 
-_forbidden: dict[str, set[str]] = {}       # exercise -> "module:function" specs, from every FORBIDDEN dict
-
-
-def _merge_forbidden(items) -> list[str]:
-    """Collect the graded files' ``FORBIDDEN = {"2.1": ["toyllm.model:dense_attention"]}``; returns problems."""
-    problems, seen = [], set()
-    for item in items:
-        module = getattr(item, "module", None)
-        if module is None or id(module) in seen:
-            continue
-        seen.add(id(module))
-        for ex, specs in (getattr(module, "FORBIDDEN", None) or {}).items():
-            if not _EXERCISE_ID.match(str(ex)) or isinstance(specs, str) or \
-                    not all(isinstance(x, str) and ":" in x for x in specs):
-                problems.append(f"{item.path.name}: FORBIDDEN must map 'N.M' to a list of 'module:function'")
-                continue
-            _forbidden.setdefault(str(ex), set()).update(specs)
-    return problems
+@functools.lru_cache(maxsize=None)
+def _forbidden(exercise: str) -> tuple[str, ...]:
+    """What a submission may not call while graded on ``exercise``: toyllm's marked answers and shortcuts."""
+    return tuple(answers.forbidden(exercise))
 
 
 def pytest_collection_modifyitems(session, config, items):
-    problems = _merge_forbidden(items)
-    if not os.environ.get(_LOG_ENV):
-        if problems:
-            import pytest
-
-            raise pytest.UsageError("; ".join(problems))
+    if not os.environ.get(LOG_ENV):
         return
-    lesson = os.environ.get(_LESSON_ENV)
-    exercises = set(filter(None, os.environ.get(_EXERCISES_ENV, "").split(",")))
+    problems = []
+    lesson = os.environ.get(LESSON_ENV)
+    exercises = set(filter(None, os.environ.get(EXERCISES_ENV, "").split(",")))
     selected, deselected, records = [], [], []
     for item in items:
         ex, pts = exercise_of(item), points_of(item)
-        if ex is None or not _EXERCISE_ID.match(ex) or not isinstance(pts, (int, float)) or pts <= 0:
+        if ex is None or not EXERCISE_ID.match(ex) or not isinstance(pts, (int, float)) or pts <= 0:
             problems.append(item.nodeid)
             continue
         keep = (lesson is None or int(ex.split(".")[0]) == int(lesson)) and (not exercises or ex in exercises)
@@ -125,8 +111,8 @@ def pytest_collection_modifyitems(session, config, items):
     if problems:
         import pytest
 
-        raise pytest.UsageError("graded tests need @pytest.mark.exercise('N.M') and @pytest.mark.points(P > 0) "
-                                f"(and a well-formed FORBIDDEN); problems with: {problems}")
+        raise pytest.UsageError("graded tests need @pytest.mark.exercise('N.M') and @pytest.mark.points(P > 0); "
+                                f"problems with: {problems}")
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected
@@ -152,10 +138,18 @@ def _on_violation(item, exercise, message) -> None:
 
 def pytest_runtest_setup(item):
     """Tell the sandbox (or the in-process rules) what the coming test grades, and by when calls must be back."""
+    needs = item.get_closest_marker("needs")
+    if needs is not None:
+        try:
+            answers.require(*needs.args)
+        except answers.ExerciseNotWritten as e:
+            import pytest
+
+            pytest.skip(str(e))
     ex = exercise_of(item)
     timeout = _timeout_of(item)
     sandbox.context.exercise = ex
-    sandbox.context.forbidden = tuple(sorted(_forbidden.get(ex, ()))) if ex else ()
+    sandbox.context.forbidden = _forbidden(ex) if ex else ()
     sandbox.context.deadline = time.monotonic() + timeout - 1.0 if timeout else None
     item._toyllm_violations = []
     sandbox.context.on_violation = lambda exercise, message: _on_violation(item, exercise, message)
@@ -179,6 +173,30 @@ def pytest_runtest_call(item):
     return result
 
 
+# What a test meets in the student edition before the exercise it needs is written.
+_NEEDS = re.compile(r"[A-Z][^\n:]*? needs Exercise \d+\.\d+: write \w+ in [\w./-]+"
+                    r"|[\w ]*?\b[\w=']+ is left out of the student edition")
+_STUB = re.compile(r"Exercise (\d+\.\d+): implement (\w+)")
+
+
+@_wrapper
+def pytest_runtest_makereport(item, call):
+    """In the student edition, a test that needs an unwritten exercise is skipped with its name, not failed.
+
+    Never while grading: there a stub scores zero.
+    """
+    report = yield
+    if not report.failed or answers.EDITION != "student" or os.environ.get(LOG_ENV):
+        return report
+    text = str(report.longrepr)
+    needs, stub = _NEEDS.search(text), _STUB.search(text)
+    if needs or stub:
+        reason = needs[0] if needs else f"needs Exercise {stub[1]}: write {stub[2]}"
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {reason}")
+    return report
+
+
 def pytest_runtest_teardown(item):
     if item.nodeid and getattr(item, "_toyllm_violations", None) is not None:
         sandbox.context.exercise, sandbox.context.forbidden = None, ()
@@ -186,7 +204,7 @@ def pytest_runtest_teardown(item):
 
 
 def pytest_runtest_logreport(report):
-    if not os.environ.get(_LOG_ENV):
+    if not os.environ.get(LOG_ENV):
         return
     message = ""
     if report.failed or report.skipped:

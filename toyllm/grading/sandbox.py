@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 from . import guard, wire
-from .launcher import _closed_folders, _libc, _namespaces_work
+from .launcher import closed_folders, libc, namespaces_work
 
 SANDBOX_ENV = "TOYLLM_GRADE_SANDBOX"          # "1" in the grader's pytest processes
 TIMEOUT_ENV = "TOYLLM_GRADE_TIMEOUT"          # seconds per test (the grader's --timeout)
@@ -73,7 +73,7 @@ class SubmissionError(Exception):
 
 class _Context:
     exercise: str | None = None       # "2.1" while a test of Exercise 2.1 runs
-    forbidden: tuple = ()             # its FORBIDDEN specs
+    forbidden: tuple = ()             # what it may not call (toyllm.answers.forbidden)
     deadline: float | None = None     # time.monotonic() by which a call must be back
     on_violation = None               # callback(exercise, message), set by the plugin
 
@@ -106,7 +106,7 @@ def describe_call(name: str, args, kwargs) -> str:
 
 # --------------------------------------------------------------------------- the sandbox process
 
-def _sandbox_user() -> tuple[int, int] | None:
+def sandbox_user() -> tuple[int, int] | None:
     """(uid, gid) to run the submission as, or None to keep the grader's own user."""
     if os.geteuid() != 0:
         return None
@@ -120,7 +120,7 @@ def _sandbox_user() -> tuple[int, int] | None:
                            f"create one or set {USER_ENV}") from None
     if entry.pw_uid == 0:
         raise RuntimeError(f"{USER_ENV}={name} is root; submissions must run as an unprivileged user")
-    if _closed_folders() and not _namespaces_work():
+    if closed_folders() and not namespaces_work():
         return None                   # that user could not even start Python: see isolation()
     return entry.pw_uid, entry.pw_gid
 
@@ -130,11 +130,11 @@ def isolation() -> str:
     if os.geteuid() != 0:
         return "the submission runs in its own process, as the grader's user"
     name = os.environ.get(USER_ENV) or "nobody"
-    if _sandbox_user() is None:
+    if sandbox_user() is None:
         return (f"WARNING: the submission runs as root: user {name!r} cannot reach "
-                f"{', '.join(map(str, _closed_folders()))} to run Python, and mount namespaces are not available")
+                f"{', '.join(map(str, closed_folders()))} to run Python, and mount namespaces are not available")
     return f"the submission runs in its own process as user {name!r}" + \
-        (", with the course's tests out of sight" if _namespaces_work() else "")
+        (", with the course's tests out of sight" if namespaces_work() else "")
 
 
 class Sandbox:
@@ -143,7 +143,7 @@ class Sandbox:
     def __init__(self, impl_dir: Path, reference_dir: Path | None, memory_mb: int, hide=()):
         self.impl_dir, self.reference_dir, self.memory_mb = Path(impl_dir), reference_dir, memory_mb
         self.hide = [Path(p) for p in hide]       # folders the submission must not see (the tests)
-        self.user = _sandbox_user()
+        self.user = sandbox_user()
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
         self.scratch: Path | None = None
@@ -289,7 +289,7 @@ def _become_subreaper() -> None:
     """Orphaned descendants come back to this process instead of init, so they can be ended."""
     PR_SET_CHILD_SUBREAPER = 36
     try:
-        _libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     except (OSError, AttributeError):
         pass
 
@@ -369,10 +369,10 @@ class RemoteModule:
     """The submission's exercise module as the graded tests see it: attribute access gives ``RemoteFunction``s."""
 
     def __init__(self, name: str):
-        from .course import _exercise_file, resolve_impl
+        from .course import exercise_file, resolve_impl
 
         self._name = name
-        self.__file__ = _exercise_file(resolve_impl(), name)
+        self.__file__ = exercise_file(resolve_impl(), name)
         self._functions = set(_get_sandbox().load(name)["functions"])
 
     def __getattr__(self, attr: str):

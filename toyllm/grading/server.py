@@ -25,7 +25,7 @@ import socket
 import sys
 import traceback
 
-from .launcher import _libc
+from .launcher import libc
 
 
 def _error(exc: BaseException, files) -> dict:
@@ -46,7 +46,7 @@ def main(fd: int, reference_dir: str) -> None:
     import torch
 
     from . import guard, wire
-    from .impl import _exercise_file, load_exercise, resolve_impl
+    from .impl import exercise_file, load_exercise, resolve_impl
 
     torch.set_grad_enabled(False)           # as in the grader's own tests
     torch.set_num_threads(1)
@@ -80,7 +80,7 @@ def main(fd: int, reference_dir: str) -> None:
         try:
             if request["op"] == "load":
                 name = request["module"]
-                path = _exercise_file(resolve_impl(), name)
+                path = exercise_file(resolve_impl(), name)
                 module = load_exercise(name)
                 modules[name] = module
                 functions = sorted(k for k, v in vars(module).items()
@@ -120,10 +120,6 @@ def main(fd: int, reference_dir: str) -> None:
         wire.send(sock, payload)
 
 
-if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2])
-
-
 def serve() -> None:
     """The sandbox process once it runs as the sandbox user (see ``launcher``): limits first, then serve."""
     import resource
@@ -131,7 +127,7 @@ def serve() -> None:
     fd, reference, parent_pid, limits = sys.argv[1:5]
     memory_mb, cpu_s, file_bytes, nproc = (int(x) for x in limits.split(","))
     PR_SET_PDEATHSIG = 1
-    _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)        # the grader's test process died: so do we
+    libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)        # the grader's test process died: so do we
     if os.getppid() != int(parent_pid):
         os._exit(1)
     resource.setrlimit(resource.RLIMIT_AS, (memory_mb * 2**20,) * 2)

@@ -3,12 +3,16 @@
 A model answer sits between two marker comments inside a function body::
 
     # BEGIN SOLUTION 1.2 hint: divide by the temperature, then torch.multinomial
+    # idea: temperature reshapes the distribution; the cut-offs remove its tail
     ...
     # END SOLUTION
 
 ``make_stub`` replaces each marked region by
-``raise NotImplementedError("Exercise 1.2: implement <function> (hint: ...)")``
-and keeps everything else (signatures, docstrings). ``python -m
+``raise NotImplementedError("Exercise 1.2: implement <function> (idea: ...)")``
+and keeps everything else (signatures, docstrings). Hints come at two
+levels: ``idea`` (the default: which operation, what shape, what to wait
+for, never the code) or ``code`` (the ``hint:`` text, close to the lines
+themselves); an instructor picks one for the student edition. ``python -m
 toyllm.grading sync`` rewrites ``exercises/`` from ``solutions/``;
 ``sync --check`` only reports files that are out of date.
 """
@@ -24,19 +28,25 @@ from .course import solutions_dir as default_solutions_dir
 _BEGIN = re.compile(r"^(?P<indent>[ \t]*)# BEGIN SOLUTION(?P<rest>.*)$")
 _END = re.compile(r"^[ \t]*# END SOLUTION\s*$")
 _BEGIN_REST = re.compile(r"^ (?P<id>\d+\.\d+)(?: hint: (?P<hint>.+?))?\s*$")
+_IDEA = re.compile(r"^[ \t]*# idea: (?P<idea>.+?)\s*$")
+HINT_LEVELS = ("idea", "code")
 _DEF = re.compile(r"^(?P<indent>[ \t]*)(?:async )?def (?P<name>\w+)\s*\(")
 
 
-def make_stub(source: str) -> str:
+def make_stub(source: str, hints: str = "idea") -> str:
     """The exercise version of a solution file: each marked model answer becomes a NotImplementedError.
 
     A region starts at ``# BEGIN SOLUTION N.M hint: ...`` (hint optional)
     and ends at ``# END SOLUTION``; both lines and everything between them
     are replaced by one ``raise NotImplementedError("Exercise N.M: implement
-    <function> (hint: ...)")`` at the marker's indentation. The function is
-    the nearest enclosing ``def``. Raises ValueError for unbalanced or
-    malformed markers, naming the line.
+    <function> (idea: ...)")`` at the marker's indentation. The function is
+    the nearest enclosing ``def``. hints: "idea" takes the ``# idea:`` line
+    that follows the marker (every region needs one), "code" the marker's
+    ``hint:``. Raises ValueError for unbalanced or malformed markers, naming
+    the line.
     """
+    if hints not in HINT_LEVELS:
+        raise ValueError(f"hints must be one of {HINT_LEVELS}, got {hints!r}")
     lines = source.splitlines(keepends=True)
     out: list[str] = []
     region_start = None       # line number of an open BEGIN
@@ -54,8 +64,14 @@ def make_stub(source: str) -> str:
             if func is None:
                 raise ValueError(f"line {no}: a solution region must sit inside a function body")
             message = f"Exercise {rest['id']}: implement {func}"
-            if rest["hint"]:
+            if hints == "code" and rest["hint"]:
                 message += f" (hint: {rest['hint']})"
+            elif hints == "idea":
+                idea = _IDEA.match(lines[no].rstrip("\r\n")) if no < len(lines) else None
+                if idea is None:
+                    raise ValueError(f"line {no + 1}: Exercise {rest['id']} needs a '# idea: ...' line "
+                                     f"right after its BEGIN SOLUTION marker")
+                message += f" (idea: {idea['idea']})"
             out.append(_raise_statement(indent, message))
             region_start = no
         elif end:
@@ -93,14 +109,14 @@ def _enclosing_function(previous_lines: list[str], indent: str) -> str | None:
     return None
 
 
-def _stubs(source: str) -> dict[str, str]:
+def stub_exercises(source: str) -> dict[str, str]:
     """{exercise id: function} of the stubs (``raise NotImplementedError("Exercise N.M: implement f``) in ``source``."""
     found = re.findall(r"raise NotImplementedError\(\s*['\"]Exercise (\d+\.\d+): implement (\w+)", source)
     return dict(found)
 
 
 def sync(check: bool = False, force: bool = False, solutions_dir: Path | None = None,
-         exercises_dir: Path | None = None) -> list[Path]:
+         exercises_dir: Path | None = None, hints: str = "idea") -> list[Path]:
     """Write ``exercises/`` from ``solutions/`` (every ``*.py``); returns the files that were (or would be) changed.
 
     check: change nothing, only report. Without ``force`` a file whose stubs
@@ -112,7 +128,7 @@ def sync(check: bool = False, force: bool = False, solutions_dir: Path | None = 
     changed = []
     for sol in sorted(solutions_dir.glob("*.py")):
         target = exercises_dir / sol.name
-        new = make_stub(sol.read_text())
+        new = make_stub(sol.read_text(), hints)
         old = target.read_text() if target.exists() else None
         if old == new:
             continue
@@ -121,8 +137,8 @@ def sync(check: bool = False, force: bool = False, solutions_dir: Path | None = 
             continue
         # A function that is in the old file but no longer raises its stub has been answered by someone.
         answered = set() if old is None else {
-            ex for ex, func in _stubs(new).items()
-            if ex not in _stubs(old) and re.search(rf"^\s*def {func}\(", old, re.MULTILINE)}
+            ex for ex, func in stub_exercises(new).items()
+            if ex not in stub_exercises(old) and re.search(rf"^\s*def {func}\(", old, re.MULTILINE)}
         if answered and not force:
             raise ValueError(f"{target} holds answers to exercise(s) {sorted(answered)} instead of their stubs; "
                              f"not overwriting it. Pass --force to replace it anyway")

@@ -82,7 +82,7 @@ class _Comm:
             time.sleep(delay)
             self.tl.add("link_delay", t0, self.tl.now(), self.layer)
 
-    def finish(self) -> None:
+    def drain(self) -> None:
         """Wait for anything still in flight (called once after the last layer)."""
 
 
@@ -202,7 +202,7 @@ class Chain(_Comm):
             r.wait()
         self._sending = []
 
-    def finish(self) -> None:
+    def drain(self) -> None:
         if self._sending:
             t0 = self.tl.now()
             self._wait_sending()

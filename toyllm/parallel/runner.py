@@ -23,7 +23,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..attention import ATTENTION_KERNELS
+from ..answers import shortcut
+from ..attention import ATTENTION_KERNELS, get_attention
 from ..cache import DynamicKVCache
 from ..generation import generate
 from ..launch import RankContext, WorkerPool, init_from_env, run_parallel, to_cpu
@@ -271,7 +272,7 @@ def prefill_rank(ctx: RankContext, spec: ModelSpec, ids: list[int], method: str,
             comm.layer = i
             x, k, v = layer_step(_TimedBlock(block, tl, i), x, pos, comm, model.attention)
             cache.update(i, k, v)
-        comm.finish()
+        comm.drain()                                       # this rank's sends still in flight end here
         logits = None
         if rank == owner:
             with tl.span("compute", None, "lm_head"):
@@ -301,6 +302,7 @@ def _check_step_output(cache: DynamicKVCache, context: int, cfg) -> None:
 
 # --------------------------------------------------------------------------- the public entry points
 
+@shortcut("4.2", "5.1", "5.2")
 @torch.no_grad()
 def single_prefill(model, ids: list[int]) -> tuple[torch.Tensor, DynamicKVCache]:
     """The one-process reference: last-position logits (vocab,) and the KV cache of the whole prompt.
@@ -313,6 +315,7 @@ def single_prefill(model, ids: list[int]) -> tuple[torch.Tensor, DynamicKVCache]
     return logits, cache
 
 
+@shortcut("4.2", "5.1", "5.2")
 def parallel_prefill(spec: ModelSpec | str, ids: list[int], method: str = "kvr", world_size: int = 2,
                      partition: list[int] | None = None, *, overlap: bool = True, balance: str = "none",
                      step: str | Callable | None = None,
@@ -337,6 +340,10 @@ def parallel_prefill(spec: ModelSpec | str, ids: list[int], method: str = "kvr",
     ids = [int(t) if not isinstance(t, bool) and hasattr(t, "__index__") else t for t in ids]
     chunks = check_prefill_request(spec, ids, method, world_size, partition, decode_tokens=decode_tokens,
                                    balance=balance)
+    # A kernel or step that is an unwritten exercise stops the run here, in one line, not in every worker.
+    get_attention(spec.attention)
+    if step is None and method != "single":
+        default_step(method, overlap, balance)
     if method == "single":
         if step is not None:
             raise ValueError("step= plugs a per-layer step into a parallel method ('tsp' or 'kvr'), not 'single'")

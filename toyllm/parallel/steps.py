@@ -18,14 +18,18 @@ A step has the signature ``step(layer, x, pos, comm, attention) -> (x, k, v)``:
 - returns the layer's output (B, c_i, d_model) and the keys and values this
   rank attended over (B, Hkv, S, D), which become its KV cache.
 
-Lessons 04 and 05 ask you to write these steps; ``parallel_prefill(step=...)``
-runs yours inside the real engine.
+Lessons 04 and 05 ask you to write the plain TSP step and both KV-Runahead
+steps: the functions here hand the work to those exercises
+(``toyllm.answers``), so the engine runs your code; ``parallel_prefill(step=...)``
+runs any other step you give it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from ..answers import ExerciseNotWritten, answer, exercise, left_out, require, shortcut
 
 
 @dataclass(frozen=True)
@@ -40,16 +44,13 @@ class RankPositions:
     layout: tuple = ()       # every rank's q_pos, in rank order (needed when chunks are not contiguous)
 
 
+@answer("4.2", "TSP")
 def tsp_layer(layer, x, pos: RankPositions, comm, attention):
-    """TSP: every rank all-gathers everyone's K and V and attends over the whole context."""
-    q, k, v = layer.qkv(x, pos.cos, pos.sin)               # q (B, H, c_i, D); k, v (B, Hkv, c_i, D)
-    ks, vs = comm.all_gather(k, v)                         # one (B, Hkv, c_j, D) pair per rank, in rank order
-    k, v = torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)    # (B, Hkv, C, D)
-    k_pos = torch.arange(pos.context, device=x.device)     # keys of the whole context; the mask hides the future
-    out = layer.attend(q, k, v, pos.q_pos, k_pos, attention)
-    return layer.finish(x, out), k, v
+    """TSP: every rank all-gathers everyone's K and V and attends over the whole context (Exercise 4.2)."""
+    return exercise("4.2")(layer, x, pos, comm, attention)
 
 
+@shortcut("4.2", "5.1", "5.2", hide=True)
 def tsp_trimmed_layer(layer, x, pos: RankPositions, comm, attention):
     """TSP that attends only over the keys its queries can see, [0, s_i + c_i): KVR's work, TSP's traffic."""
     q, k, v = layer.qkv(x, pos.cos, pos.sin)
@@ -61,6 +62,7 @@ def tsp_trimmed_layer(layer, x, pos: RankPositions, comm, attention):
     return layer.finish(x, out), k, v
 
 
+@shortcut("4.2", "5.1", "5.2", hide=True)
 def tsp_zigzag_layer(layer, x, pos: RankPositions, comm, attention):
     """Balanced TSP: rank r holds chunks r and 2p-1-r of 2p, so each rank owns an equal share of the triangle.
 
@@ -78,37 +80,32 @@ def tsp_zigzag_layer(layer, x, pos: RankPositions, comm, attention):
     return layer.finish(x, out), k, v
 
 
+@answer("5.2", "KV-Runahead", also=("5.1",))
 def kvr_layer(layer, x, pos: RankPositions, chain, attention):
-    """KV-Runahead, overlapped: the prefix travels while this rank projects its own tokens."""
-    incoming = chain.irecv()                               # rank i > 0: post the receive of tokens [0, s_i) first
-    q, k, v = layer.qkv(x, pos.cos, pos.sin)               # (B, Hkv, c_i, D) ... meanwhile the prefix arrives
-    if incoming is not None:
-        k_prev, v_prev = incoming.wait()                   # (B, Hkv, s_i, D)
-        k, v = torch.cat([k_prev, k], dim=-2), torch.cat([v_prev, v], dim=-2)   # (B, Hkv, s_i + c_i, D)
-    chain.isend(k, v)                                      # rank i < p-1: tokens [0, s_i + c_i) go on to rank i+1
-    k_pos = torch.arange(k.shape[-2], device=x.device)    # keys [0, s_i + c_i)
-    out = layer.attend(q, k, v, pos.q_pos, k_pos, attention)
-    return layer.finish(x, out), k, v
+    """KV-Runahead, overlapped: the prefix travels while this rank projects its own tokens (Exercise 5.2)."""
+    return exercise("5.2")(layer, x, pos, chain, attention)
 
 
+@answer("5.1", "Blocking KV-Runahead", also=("5.2",))
 def kvr_layer_blocking(layer, x, pos: RankPositions, chain, attention):
-    """KV-Runahead, blocking: wait for the prefix, then compute; the send holds this rank until delivered."""
-    prefix = chain.recv()                                  # rank i > 0: (k, v) of tokens [0, s_i), else None
-    q, k, v = layer.qkv(x, pos.cos, pos.sin)
-    if prefix is not None:
-        k, v = torch.cat([prefix[0], k], dim=-2), torch.cat([prefix[1], v], dim=-2)
-    chain.send(k, v)
-    k_pos = torch.arange(k.shape[-2], device=x.device)    # keys [0, s_i + c_i)
-    out = layer.attend(q, k, v, pos.q_pos, k_pos, attention)
-    return layer.finish(x, out), k, v
+    """KV-Runahead, blocking: wait for the prefix, then compute; the send holds this rank (Exercise 5.1)."""
+    return exercise("5.1")(layer, x, pos, chain, attention)
 
 
 # How TSP may share out the work (see ``default_step``).
 TSP_BALANCES = ("none", "trim", "zigzag")
 
 
+@shortcut("4.2", "5.1", "5.2")
 def default_step(method: str, overlap: bool = True, balance: str = "none"):
     """The engine's own step for a method: KVR overlapped or blocking; TSP as in the paper, trimmed or zigzag."""
     if method == "kvr":
-        return kvr_layer if overlap else kvr_layer_blocking
-    return {"none": tsp_layer, "trim": tsp_trimmed_layer, "zigzag": tsp_zigzag_layer}[balance]
+        chosen = kvr_layer if overlap else kvr_layer_blocking
+    else:
+        chosen = {"none": tsp_layer, "trim": tsp_trimmed_layer, "zigzag": tsp_zigzag_layer}[balance]
+    if hasattr(chosen, "exercise"):
+        require(chosen.exercise)        # a step that is an exercise stops here, not inside a worker
+    if left_out(chosen):
+        raise ExerciseNotWritten(f"TSP with balance={balance!r} is left out of the student edition: its step "
+                                 "reads like the answer to Exercise 4.2")
+    return chosen

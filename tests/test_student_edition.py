@@ -1,0 +1,187 @@
+"""The student edition: built by one command, free of answers, and the framework runs the student's code.
+
+One edition is built per test session (``make student`` does the same). Its
+own tests run in a subprocess with the edition's ``toyllm`` first on the
+path: once on the untouched stubs (tests that need an exercise are skipped
+with its name), once with the model answers copied in (everything runs).
+"""
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from toyllm import answers
+from toyllm.grading import edition
+from toyllm.grading.stubs import make_stub
+
+ROOT = Path(__file__).resolve().parent.parent
+SOLUTIONS = ROOT / "solutions"
+
+# A few of the edition's own test files: the framework's answers, an engine lesson's graded tests, generation.
+EDITION_TESTS = ["tests/test_analysis.py", "tests/test_partition.py", "tests/grading/test_ex05_kv_runahead.py",
+                 "tests/grading/test_ex02_kv_cache.py"]
+
+
+def solution_functions() -> dict[str, str]:
+    """{"5.2": "kvr_layer"}: every exercise of solutions/ and its function."""
+    out = {}
+    for path in SOLUTIONS.glob("ex*.py"):
+        for number, name in re.findall(r"Exercise (\d+\.\d+): implement (\w+)", make_stub(path.read_text())):
+            out[number] = name
+    return out
+
+
+# --------------------------------------------------------------------------- the marks
+
+def test_every_marked_answer_is_an_exercise_with_the_same_parameters():
+    functions = solution_functions()
+    marks = answers.answer_marks()
+    assert {"2.1", "4.2", "5.1", "5.2", "5.4"} <= set(marks), sorted(marks)
+    for number, mark in marks.items():
+        assert functions.get(number) == mark.function, f"{mark.spec} is marked as Exercise {number}"
+        module = __import__(mark.spec.partition(":")[0], fromlist=["_"])
+        library = getattr(module, mark.spec.rpartition(":")[2])
+        lesson = answers.lesson_module(number)
+        solution = next(SOLUTIONS.glob(f"{lesson}_*.py"))
+        node = next(n for n in ast.parse(solution.read_text()).body
+                    if isinstance(n, ast.FunctionDef) and n.name == mark.function)
+        assert library.__code__.co_argcount == len(node.args.args), \
+            f"{mark.spec} and the exercise {mark.function} take different arguments"
+    for mark in answers.scan():
+        assert set(mark.exercises) <= set(functions), f"{mark.spec} names an exercise that does not exist"
+
+
+def test_the_graded_tests_keep_no_forbidden_list_of_their_own():
+    for path in (ROOT / "tests" / "grading").glob("*.py"):
+        assert "FORBIDDEN" not in path.read_text(), f"{path.name} keeps a hand-made list"
+    assert "toyllm.parallel.steps:kvr_layer" in answers.forbidden("5.2")
+    assert "toyllm.parallel.steps:kvr_layer_blocking" in answers.forbidden("5.2")
+    assert "toyllm.analysis:kv_cache_bytes" in answers.forbidden("2.2")
+    assert "toyllm.simulate:CostModel.calibrate" in answers.forbidden("6.4")
+    assert answers.forbidden("4.4") == []
+
+
+def test_the_library_runs_the_model_answers_in_this_edition():
+    from toyllm import analysis
+    from toyllm.grading import load_exercise
+
+    ex02 = load_exercise("ex02", impl="solutions")
+    for args in [(40, 40, 128, 8192), (30, 3, 64, 1000, 4), (2, 1, 8, 3, 0.5, 3)]:
+        assert analysis.kv_cache_bytes(*args) == ex02.kv_cache_bytes(*args)
+    assert answers.written("5.2") and answers.EDITION == "instructor"
+
+
+# --------------------------------------------------------------------------- the proof
+
+def test_a_copied_answer_is_found_even_with_names_changed(tmp_path):
+    source = (SOLUTIONS / "ex05_kv_runahead.py").read_text()
+    start = source.index("    prefix = chain.recv()")
+    end = source.index("    # END SOLUTION", start)
+    body = source[start:end]
+    for old, new in [("prefix", "got"), ("q", "queries"), ("k", "keys"), ("v", "vals"), ("out", "o")]:
+        body = re.sub(rf"\b{old}\b", new, body)           # every variable renamed, consistently
+    (tmp_path / "copy.py").write_text("def my_step(layer, x, pos, chain, attention):\n"
+                                      "    '''my own work'''\n" + body)
+    found = edition.find_answers(tmp_path, edition.answer_texts(ROOT))
+    assert found == ["Exercise 5.1 (solutions/ex05_kv_runahead.py) in copy.py"], found
+
+
+def test_the_instructor_edition_is_not_answer_free():
+    # the check can fail: this repository holds solutions/ and the hidden library code
+    found = edition.find_answers(ROOT / "solutions", edition.answer_texts(ROOT))
+    assert len(found) >= 25, found
+
+
+@pytest.fixture(scope="module")
+def student_edition(tmp_path_factory):
+    out = tmp_path_factory.mktemp("edition") / "toyllm-student"
+    edition.build(out, hints="idea", root=ROOT)
+    return out
+
+
+def test_the_edition_holds_no_answer_and_no_instructor_file(student_edition):
+    out = student_edition
+    assert edition.find_answers(out, edition.answer_texts(ROOT)) == []
+    for gone in edition.INSTRUCTOR_ONLY:
+        assert not (out / gone).exists(), gone
+    assert 'EDITION = "student"' in (out / "toyllm" / "answers.py").read_text()
+    for path in (out / "exercises").glob("ex*.py"):
+        text = path.read_text()
+        assert "(idea: " in text and "(hint: " not in text, path.name
+    makefile = (out / "Makefile").read_text()
+    assert "TOYLLM_IMPL=solutions" not in makefile and "student:" not in makefile and "exercises:" not in makefile
+    assert "student edition" in (out / "README.md").read_text()
+    steps = (out / "toyllm" / "parallel" / "steps.py").read_text()
+    assert "left out of the student edition" in steps and "argsort" not in steps
+
+
+def test_building_refuses_a_folder_that_is_not_empty(tmp_path):
+    (tmp_path / "x").write_text("mine")
+    with pytest.raises(ValueError, match="not an empty folder"):
+        edition.build(tmp_path, root=ROOT)
+    with pytest.raises(ValueError, match="hints"):
+        edition.build(tmp_path / "new", hints="all", root=ROOT)
+
+
+def _in_edition(folder: Path, *args, timeout=600) -> subprocess.CompletedProcess:
+    """Run python with the edition's toyllm (not this checkout's) in the edition's folder."""
+    env = {**os.environ, "PYTHONPATH": str(folder), "TOYLLM_FAST": "1"}
+    for name in ("TOYLLM_IMPL", "TOYLLM_COURSE_DIR", "PYTEST_ADDOPTS"):
+        env.pop(name, None)
+    return subprocess.run([sys.executable, *args], cwd=folder, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.timeout(900)
+def test_untouched_stubs_skip_with_the_exercise_and_commands_say_which(student_edition):
+    out = student_edition
+    which = _in_edition(out, "-c", "import toyllm; print(toyllm.__file__)")
+    assert which.stdout.strip() == str(out / "toyllm" / "__init__.py"), which.stdout + which.stderr
+    run = _in_edition(out, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *EDITION_TESTS)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " failed" not in run.stdout and "skipped" in run.stdout, run.stdout[-2000:]
+    assert "needs Exercise 5.2: write kvr_layer" in run.stdout, run.stdout[-3000:]
+    assert "needs Exercise 2.2: write kv_cache_bytes" in run.stdout, run.stdout[-3000:]
+    prefill = _in_edition(out, "-m", "toyllm", "prefill", "--model", "tiny", "--context", "64", "--method", "kvr",
+                          "--world-size", "2", timeout=120)
+    assert prefill.returncode == 2, prefill.stderr
+    assert prefill.stderr.strip().splitlines()[-1] == \
+        "error: KV-Runahead needs Exercise 5.2: write kvr_layer in exercises/ex05_kv_runahead.py", prefill.stderr
+
+
+@pytest.mark.timeout(900)
+def test_with_the_answers_filled_in_everything_runs_and_the_engine_runs_the_students_step(student_edition,
+                                                                                          tmp_path):
+    out = tmp_path / "filled"
+    shutil.copytree(student_edition, out)
+    for path in SOLUTIONS.glob("ex*.py"):
+        shutil.copy(path, out / "exercises" / path.name)
+    # the student's own KV-Runahead step leaves a trace of every call it gets
+    trace = tmp_path / "calls.txt"
+    step = out / "exercises" / "ex05_kv_runahead.py"
+    step.write_text(step.read_text().replace(
+        "    incoming = chain.irecv()\n",
+        f"    open({str(trace)!r}, 'a').write('layer\\n')\n    incoming = chain.irecv()\n", 1))
+    run = _in_edition(out, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *EDITION_TESTS)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " skipped" not in run.stdout and "Exercise" not in run.stdout.split("passed")[-1], run.stdout[-2000:]
+    trace.unlink(missing_ok=True)
+    prefill = _in_edition(out, "-m", "toyllm", "prefill", "--model", "tiny", "--context", "64", "--method", "kvr",
+                          "--world-size", "2", "--check", timeout=180)
+    assert prefill.returncode == 0, prefill.stdout + prefill.stderr
+    calls = trace.read_text().count("layer")
+    per_run = 2 * _tiny_layers()                                   # 2 ranks x layers
+    assert calls and calls % per_run == 0, f"{calls} calls of the student's step, expected runs of {per_run}"
+
+
+def _tiny_layers() -> int:
+    from toyllm.model import get_config
+
+    return get_config("tiny").n_layers

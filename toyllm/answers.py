@@ -1,0 +1,239 @@
+"""Where the framework meets the exercises: every library function that is an exercise's answer is marked here.
+
+Students extend a real framework, as in minitorch: when lesson 05 runs a
+KV-Runahead prefill, the per-layer step that runs is Exercise 5.2. Such a
+function is marked where it is written and hands the work to the exercise::
+
+    @answer("5.2", "KV-Runahead")
+    def kvr_layer(layer, x, pos, chain, attention):
+        return exercise("5.2")(layer, x, pos, chain, attention)
+
+Its code is written once, as the model answer in ``solutions/`` (the
+instructor edition runs that) or as the student's own in ``exercises/`` (the
+student edition runs that, ``EDITION = "student"``). A library function that
+would do an exercise's work another way (PyTorch's fused attention for
+Exercise 2.1, ``generate`` for the generation loops) is marked
+``@shortcut("2.1")``; ``hide=True`` on one that reads like the answer
+removes its code from the student edition.
+
+Everything that needs the list of answers reads these marks:
+
+- the grader forbids a submission to call the marked functions of the
+  exercise it is graded on (``forbidden``);
+- the student edition is built without the answers' text (``toyllm.grading.edition``);
+- a command that needs an exercise checks it first (``require``) and stops
+  with one line naming the exercise and the file to edit.
+
+The marks are read from the source (``scan``), so the list is known without
+importing the modules it names.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# Which implementation the marked functions call: "instructor" runs the model answers of solutions/,
+# "student" the student's exercises/ (the student edition's builder rewrites this line).
+EDITION = "instructor"
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+_NUMBER = re.compile(r"\d+\.\d+")
+
+
+class ExerciseNotWritten(NotImplementedError):
+    """Something needs an exercise that is still a stub; the message names the exercise and the file."""
+
+
+def left_out(fn) -> bool:
+    """True for a ``@shortcut(..., hide=True)`` function in the student edition, whose code is left out."""
+    return EDITION == "student" and getattr(fn, "hidden", False)
+
+
+@dataclass(frozen=True)
+class Mark:
+    """One marked library function: ``spec`` is "toyllm.module:qualname"."""
+
+    kind: str                  # "answer" or "shortcut"
+    exercises: tuple[str, ...]
+    spec: str
+    feature: str = ""          # what needs it, in words ("KV-Runahead"): answers only
+    function: str = ""         # the exercise's function name: answers only
+    hide: bool = False         # shortcut whose code the student edition leaves out
+    path: Path | None = None
+    lines: tuple[int, int] = (0, 0)    # first and last line of the definition, decorators included
+
+
+# --------------------------------------------------------------------------- the marks
+
+_ANSWERS: dict[str, tuple[str, str]] = {}     # "5.2" -> ("KV-Runahead", "kvr_layer"), filled as modules import
+
+
+def _check_numbers(numbers) -> tuple[str, ...]:
+    for n in numbers:
+        if not (isinstance(n, str) and _NUMBER.fullmatch(n)):
+            raise ValueError(f"an exercise number looks like '5.2', got {n!r}")
+    return tuple(numbers)
+
+
+def answer(number: str, feature: str, function: str | None = None, also: tuple[str, ...] = ()):
+    """Mark the function as the library's entry to Exercise ``number``; its body calls ``exercise(number)``.
+
+    feature: what the exercise makes work, in words (for "X needs Exercise N.M").
+    function: the exercise's function name, when it differs from the library's.
+    also: other exercises whose graded runs must not call this function.
+    """
+    _check_numbers((number, *also))
+
+    def mark(fn):
+        _ANSWERS[number] = (feature, function or fn.__name__)
+        fn.exercise = number
+        return fn
+    return mark
+
+
+def shortcut(*numbers: str, hide: bool = False):
+    """Mark a library function that does the work of these exercises another way (forbidden while grading them).
+
+    hide: its code reads like a model answer, so the student edition leaves it out.
+    """
+    _check_numbers(numbers)
+
+    def mark(fn):
+        fn.hidden = hide
+        return fn
+    return mark
+
+
+def lesson_module(number: str) -> str:
+    """"5.2" -> "ex05"."""
+    return f"ex{int(number.split('.')[0]):02d}"
+
+
+def exercise(number: str):
+    """The function that is Exercise ``number`` in the edition's implementation (model answers, or the student's).
+
+    Raises ``ExerciseNotWritten`` while the student's function is still the stub.
+    """
+    from .grading.impl import load_exercise
+
+    feature, name = _ANSWERS[number]
+    if EDITION == "instructor":
+        module = load_exercise(lesson_module(number), impl=_solutions_dir())
+    else:
+        module = load_exercise(lesson_module(number))
+    if _is_stub(module, number):
+        raise ExerciseNotWritten(_not_written(number, feature, name, module))
+    return getattr(module, name)
+
+
+def _solutions_dir() -> Path:
+    """solutions/ beside the package (an editable install in the checkout), else the course found from here."""
+    beside = PACKAGE_DIR.parent / "solutions"
+    if beside.is_dir():
+        return beside
+    from .grading.course import solutions_dir
+
+    return solutions_dir()
+
+
+def _is_stub(module, number: str) -> bool:
+    """True while ``module``'s file still raises the stub of exercise ``number``."""
+    path = getattr(module, "__file__", None)
+    if path is None:                 # a proxy of the grader's sandbox: the student's code answers for itself
+        return False
+    stat = Path(path).stat()
+    return number in _stubs_in(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _stubs_in(path: str, mtime_ns: int, size: int) -> frozenset[str]:
+    """The exercises still stubbed in a file, read once per version of it (the engine asks once per layer)."""
+    from .grading.stubs import stub_exercises
+
+    return frozenset(stub_exercises(Path(path).read_text()))
+
+
+def _not_written(number: str, feature: str, name: str, module) -> str:
+    path = Path(getattr(module, "__file__", "exercises"))
+    shown = f"{path.parent.name}/{path.name}"
+    return f"{feature} needs Exercise {number}: write {name} in {shown}"
+
+
+def written(number: str) -> bool:
+    """Whether Exercise ``number`` (a marked answer) is written in the edition's implementation."""
+    try:
+        exercise(number)
+    except ExerciseNotWritten:
+        return False
+    return True
+
+
+def require(*numbers: str) -> None:
+    """Stop at once, with one line per missing exercise, unless every one of ``numbers`` is written."""
+    missing = []
+    for number in numbers:
+        try:
+            exercise(number)
+        except ExerciseNotWritten as e:
+            missing.append(str(e))
+    if missing:
+        raise ExerciseNotWritten("; ".join(missing))
+
+
+# --------------------------------------------------------------------------- reading the marks from the source
+
+def scan(package_dir: Path = PACKAGE_DIR, package: str = "toyllm") -> list[Mark]:
+    """Every ``@answer``/``@shortcut`` mark in the package's source, in file order."""
+    marks = []
+    for path in sorted(package_dir.rglob("*.py")):
+        module = ".".join((package, *path.relative_to(package_dir).with_suffix("").parts))
+        module = module.removesuffix(".__init__")
+        tree = ast.parse(path.read_text(), filename=str(path))
+        marks += _marks_in(tree.body, module, "", path)
+    return marks
+
+
+def _marks_in(body, module: str, prefix: str, path: Path) -> list[Mark]:
+    out = []
+    for node in body:
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        qualname = prefix + node.name
+        first = min([d.lineno for d in node.decorator_list] + [node.lineno])
+        for deco in node.decorator_list:
+            if not (isinstance(deco, ast.Call) and isinstance(deco.func, ast.Name)
+                    and deco.func.id in ("answer", "shortcut")):
+                continue
+            args = [ast.literal_eval(a) for a in deco.args]
+            kw = {k.arg: ast.literal_eval(k.value) for k in deco.keywords}
+            common = dict(spec=f"{module}:{qualname}", path=path, lines=(first, node.end_lineno))
+            if deco.func.id == "answer":
+                number, feature, *rest = args
+                function = rest[0] if rest else kw.get("function") or node.name
+                out.append(Mark("answer", (number, *kw.get("also", ())), feature=feature, function=function,
+                                **common))
+            else:
+                out.append(Mark("shortcut", tuple(args), hide=bool(kw.get("hide", False)), **common))
+        if isinstance(node, ast.ClassDef):
+            out += _marks_in(node.body, module, qualname + ".", path)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _scan_once() -> tuple[Mark, ...]:
+    return tuple(scan())
+
+
+def forbidden(number: str, marks: list[Mark] | None = None) -> list[str]:
+    """The "module:qualname" specs a submission must not call while it is graded on Exercise ``number``."""
+    marks = _scan_once() if marks is None else marks
+    return sorted({m.spec for m in marks if number in m.exercises})
+
+
+def answer_marks(marks: list[Mark] | None = None) -> dict[str, Mark]:
+    """{"5.2": its answer Mark}: the exercises the framework runs."""
+    marks = _scan_once() if marks is None else marks
+    return {m.exercises[0]: m for m in marks if m.kind == "answer"}
