@@ -13,8 +13,9 @@ instructor edition runs that) or as the student's own in ``exercises/`` (the
 student edition runs that, ``EDITION = "student"``). A library function that
 would do an exercise's work another way (PyTorch's fused attention for
 Exercise 2.1, ``generate`` for the generation loops) is marked
-``@shortcut("2.1")``; ``hide=True`` on one that reads like the answer
-removes its code from the student edition.
+``@shortcut("2.1")``. Library code must never read like an answer: where
+a variant of an exercise is needed (the zigzag TSP step), it is built on
+the marked answer rather than written out again.
 
 Everything that needs the list of answers reads these marks:
 
@@ -47,11 +48,6 @@ class ExerciseNotWritten(NotImplementedError):
     """Something needs an exercise that is still a stub; the message names the exercise and the file."""
 
 
-def left_out(fn) -> bool:
-    """True for a ``@shortcut(..., hide=True)`` function in the student edition, whose code is left out."""
-    return EDITION == "student" and getattr(fn, "hidden", False)
-
-
 @dataclass(frozen=True)
 class Mark:
     """One marked library function: ``spec`` is "toyllm.module:qualname"."""
@@ -61,7 +57,6 @@ class Mark:
     spec: str
     feature: str = ""          # what needs it, in words ("KV-Runahead"): answers only
     function: str = ""         # the exercise's function name: answers only
-    hide: bool = False         # shortcut whose code the student edition leaves out
     path: Path | None = None
     lines: tuple[int, int] = (0, 0)    # first and last line of the definition, decorators included
 
@@ -94,15 +89,11 @@ def answer(number: str, feature: str, function: str | None = None, also: tuple[s
     return mark
 
 
-def shortcut(*numbers: str, hide: bool = False):
-    """Mark a library function that does the work of these exercises another way (forbidden while grading them).
-
-    hide: its code reads like a model answer, so the student edition leaves it out.
-    """
+def shortcut(*numbers: str):
+    """Mark a library function that does the work of these exercises another way (forbidden while grading them)."""
     _check_numbers(numbers)
 
     def mark(fn):
-        fn.hidden = hide
         return fn
     return mark
 
@@ -216,7 +207,7 @@ def _marks_in(body, module: str, prefix: str, path: Path) -> list[Mark]:
                 out.append(Mark("answer", (number, *kw.get("also", ())), feature=feature, function=function,
                                 **common))
             else:
-                out.append(Mark("shortcut", tuple(args), hide=bool(kw.get("hide", False)), **common))
+                out.append(Mark("shortcut", tuple(args), **common))
         if isinstance(node, ast.ClassDef):
             out += _marks_in(node.body, module, qualname + ".", path)
     return out

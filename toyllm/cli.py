@@ -142,6 +142,8 @@ def cmd_generate(args, prepared: tuple) -> int:
 def cmd_demo(args, _prepared=None) -> int:
     from . import generate, load_model
     from .bench import ensure_resident_heap, naive_vs_cached
+    from .bench_decode import demo_decode_speed
+    from .parallel import demo_prefill
 
     ensure_resident_heap(["demo", "--weights", args.weights])   # steadier timings (see toyllm/bench.py)
     print("== SmolLM2-135M-Instruct, read from its GGUF file, running in plain PyTorch ==")
@@ -152,24 +154,24 @@ def cmd_demo(args, _prepared=None) -> int:
                       on_token=TextStreamer(tokenizer))
     print(f"\n[TTFT {result.ttft_s * 1e3:.0f} ms, {1 / max(result.tpot_s, 1e-9):.1f} tokens/s decoding]\n")
 
-    print("== Decode speed: fewer bytes per weight, more tokens per second ==")
-    from .bench_decode import demo_decode_speed
-    demo_decode_speed()
-    print("\n== Naive generation vs KV cache (same greedy tokens, different cost) ==")
-    row = naive_vs_cached(model, prompt_len=32, new_tokens=32, repeats=1)
-    print(f"SmolLM2, 32-token prompt, 32 new tokens: naive {row['naive_s']:.2f} s, cached {row['cached_s']:.2f} s, "
-          f"speedup {row['speedup']:.1f}x, identical tokens: {row['identical']}")
-    try:
-        from .parallel import demo_prefill
-    except ImportError:
-        return 0
-    print("\n== Parallel prefill on 2 processes (gloo on this CPU) ==")
-    missing = [n for n in ("2.1", "4.2", "5.2") if not answers.written(n)]
-    if missing:   # the student edition: these runs are the student's own exercises
-        print(f"unlocks with Exercises {', '.join(missing)} (lessons 02, 04 and 05): the dense kernel, the TSP "
-              "step and the KV-Runahead step that every rank runs")
-        return 0
-    demo_prefill()
+    def naive_and_cached():
+        row = naive_vs_cached(model, prompt_len=32, new_tokens=32, repeats=1)
+        print(f"SmolLM2, 32-token prompt, 32 new tokens: naive {row['naive_s']:.2f} s, cached {row['cached_s']:.2f} s, "
+              f"speedup {row['speedup']:.1f}x, identical tokens: {row['identical']}")
+
+    def parallel_prefill():
+        answers.require("4.2", "5.2")              # before the one-process baseline is timed for nothing
+        demo_prefill()
+
+    sections = [("Decode speed: fewer bytes per weight, more tokens per second", demo_decode_speed),
+                ("Naive generation vs KV cache (same greedy tokens, different cost)", naive_and_cached),
+                ("Parallel prefill on 2 processes (gloo on this CPU)", parallel_prefill)]
+    for title, run in sections:
+        print(f"\n== {title} ==")
+        try:
+            run()
+        except answers.ExerciseNotWritten as e:     # the student edition: this part runs the student's code
+            print(f"(not yet: {e}; it unlocks once you have written it)")
     return 0
 
 

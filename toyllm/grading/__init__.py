@@ -3,6 +3,7 @@
 - ``course``: where the course's exercises, solutions and graded tests are;
 - ``impl``: which implementation runs (``load_exercise``, ``TOYLLM_IMPL``);
 - ``stubs``: exercise stubs generated from the model answers (``sync``);
+- ``edition``: the student edition, without the answers (``make student``);
 - ``plugin``: the pytest plugin (``--impl``, the markers, the grader's log);
 - ``sandbox``, ``server``, ``wire``: the submission's own process, and what
   crosses to it and back;
@@ -10,7 +11,10 @@
   exercise at a time);
 - ``harness``: trusted helpers that graded tests run next to the submission;
 - ``expect``: checks whose failure messages a student can act on;
-- ``grader``: ``grade`` and ``check``, reports, Gradescope results;
+- ``grader``: ``grade`` and ``check``; ``selection`` (which tests run),
+  ``run`` (one lesson's trusted pytest process, watched), ``outcome`` (its
+  event log read into a status per test), ``report`` (tables and Gradescope
+  results);
 - ``cli``: the command line.
 
 1. **Which implementation runs.** Every lesson's exercises exist twice with
@@ -39,7 +43,8 @@ Command line::
     python -m toyllm.grading sync [--check] [--force]
 """
 from .course import course_root
-from .grader import GradeReport, GradingError, TestResult, check, grade
+from .grader import GradingError, check, grade
+from .report import GradeReport, TestResult
 from .impl import current_impl, load_exercise, resolve_impl
 from .sandbox import sandboxed
 from .stubs import make_stub, sync

@@ -12,14 +12,12 @@ hand out:
 - ``toyllm.answers.EDITION`` is ``"student"``: every library function marked
   ``@answer`` runs the student's exercise, and a command that needs an
   unwritten one stops with a line naming it;
-- library code marked ``@shortcut(..., hide=True)`` is replaced by a line
-  saying it is left out;
 - the Makefile's ``make test`` runs against ``exercises/``: tests that need
   an unwritten exercise are skipped with its name (root ``conftest.py``).
 
-``answer_texts`` and ``find_answers`` are the proof: every model answer and
-every hidden library body, as statements with names normalised, must occur
-in no Python file and no notebook cell of the edition. ``build`` checks
+``answer_texts`` and ``find_answers`` are the proof: every model answer, as
+statements with names normalised, must occur in no Python file and no
+notebook cell (code or output) of the edition. ``build`` checks
 that before it returns, and so does the test suite.
 """
 from __future__ import annotations
@@ -34,7 +32,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import answers
 from .course import course_root
 from .stubs import HINT_LEVELS, make_stub
 
@@ -111,7 +108,7 @@ class AnswerText:
 
 
 def answer_texts(root: Path | None = None) -> list[AnswerText]:
-    """Every model answer of ``solutions/`` and every hidden library body, normalised."""
+    """Every model answer of ``solutions/``, normalised."""
     root = course_root() if root is None else Path(root)
     out = []
     for path in sorted((root / "solutions").glob("ex*.py")):
@@ -129,19 +126,7 @@ def answer_texts(root: Path | None = None) -> list[AnswerText]:
             block = next(b for b in _bodies(tree) if any(begin < s.lineno < end for s in b))
             stmts = [s for s in block if begin < s.lineno < end]
             out.append(AnswerText(f"Exercise {number} ({path.relative_to(root)})", _kinds(stmts), _normalise(stmts)))
-    for mark in answers.scan(root / "toyllm"):
-        if mark.hide:
-            node = _definition(mark)
-            stmts = _without_docstring(node.body)
-            out.append(AnswerText(f"{mark.spec} (hidden)", _kinds(stmts), _normalise(stmts)))
     return out
-
-
-def _definition(mark: answers.Mark) -> ast.FunctionDef:
-    tree = ast.parse(mark.path.read_text())
-    name = mark.spec.rpartition(":")[2].rpartition(".")[2]
-    return next(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-                and n.name == name and n.lineno >= mark.lines[0])
 
 
 def _python_sources(folder: Path):
@@ -197,20 +182,6 @@ def _files(root: Path) -> list[str]:
     return sorted(f for f in listed.split("\0") if f and (root / f).is_file())
 
 
-def _hide_bodies(source: str, marks: list[answers.Mark]) -> str:
-    """Replace the body of each hidden library function (after its docstring) by a line saying it is left out."""
-    lines = source.splitlines(keepends=True)
-    for mark in sorted(marks, key=lambda m: -m.lines[0]):            # bottom up: line numbers stay valid
-        node = _definition(mark)
-        stmts = _without_docstring(node.body)
-        indent = " " * (node.col_offset + 4)
-        name = mark.spec.rpartition(":")[2]
-        message = (f"{name} is left out of the student edition: its code reads like the answer to "
-                   f"Exercise {', '.join(mark.exercises)}")
-        lines[stmts[0].lineno - 1:stmts[-1].end_lineno] = [f"{indent}raise NotImplementedError({message!r})\n"]
-    return "".join(lines)
-
-
 def _student_makefile(text: str) -> str:
     text = text.replace("TOYLLM_IMPL=solutions ", "").replace(
         "against the model answers.", "against your exercises (a test that needs an unwritten one is skipped).")
@@ -234,10 +205,6 @@ def build(out: Path, hints: str = "idea", root: Path | None = None) -> list[str]
         raise ValueError(f"OUT={out} is inside the course itself; pick a folder outside {root}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"OUT={out} exists and is not an empty folder; pick a new one")
-    hidden: dict[Path, list[answers.Mark]] = {}
-    for mark in answers.scan(root / "toyllm"):
-        if mark.hide:
-            hidden.setdefault(mark.path, []).append(mark)
     written = []
     for rel in _files(root):
         if rel.startswith(INSTRUCTOR_ONLY):
@@ -251,8 +218,6 @@ def build(out: Path, hints: str = "idea", root: Path | None = None) -> list[str]
             if 'EDITION = "instructor"' not in text:
                 raise ValueError("toyllm/answers.py no longer sets EDITION = \"instructor\"; update the builder")
             dst.write_text(text.replace('EDITION = "instructor"', 'EDITION = "student"', 1))
-        elif src in hidden:
-            dst.write_text(_hide_bodies(src.read_text(), hidden[src]))
         elif rel == "Makefile":
             dst.write_text(_student_makefile(src.read_text()))
         elif rel == "README.md":

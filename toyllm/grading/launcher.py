@@ -71,9 +71,9 @@ def namespaces_work() -> bool:
 
 
 def _mount(source, target, fstype, flags, data=None) -> None:
-    libc = libc()
+    c = libc()
     enc = lambda x: None if x is None else str(x).encode()
-    if libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)) != 0:
+    if c.mount(enc(source), enc(target), enc(fstype), flags, enc(data)) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
 
@@ -85,8 +85,8 @@ def _private_view(hide: list[Path], scratch: Path) -> None:
     tmpfs that anyone may enter, holding only the entries Python needs
     (bound back from the original), so the rest stays out of sight.
     """
-    libc = libc()
-    if libc.unshare(_CLONE_NEWNS) != 0:
+    c = libc()
+    if c.unshare(_CLONE_NEWNS) != 0:
         raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed")
     _mount("none", "/", None, _MS_REC | _MS_PRIVATE)
     for i, (folder, entries) in enumerate(sorted(closed_folders().items())):
@@ -97,7 +97,7 @@ def _private_view(hide: list[Path], scratch: Path) -> None:
         for entry in entries:
             (folder / entry).mkdir()
             _mount(stage / entry, folder / entry, None, _MS_BIND | _MS_REC)
-        libc.umount2(str(stage).encode(), _MNT_DETACH)
+        c.umount2(str(stage).encode(), _MNT_DETACH)
         stage.rmdir()
     for folder in hide:
         if folder.is_dir():

@@ -25,11 +25,12 @@ runs any other step you give it.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from ..answers import ExerciseNotWritten, answer, exercise, left_out, require, shortcut
+from ..answers import answer, exercise, require, shortcut
 
 
 @dataclass(frozen=True)
@@ -50,34 +51,58 @@ def tsp_layer(layer, x, pos: RankPositions, comm, attention):
     return exercise("4.2")(layer, x, pos, comm, attention)
 
 
-@shortcut("4.2", "5.1", "5.2", hide=True)
+@shortcut("4.2", "5.1", "5.2")
 def tsp_trimmed_layer(layer, x, pos: RankPositions, comm, attention):
-    """TSP that attends only over the keys its queries can see, [0, s_i + c_i): KVR's work, TSP's traffic."""
-    q, k, v = layer.qkv(x, pos.cos, pos.sin)
-    ks, vs = comm.all_gather(k, v)
-    k, v = torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)    # (B, Hkv, C, D): all of it is cached
-    seen = pos.start + x.shape[1]                          # keys after this chunk are all in the future
-    k_pos = torch.arange(seen, device=x.device)
-    out = layer.attend(q, k[..., :seen, :], v[..., :seen, :], pos.q_pos, k_pos, attention)
-    return layer.finish(x, out), k, v
+    """TSP that attends only over the keys its queries can see, [0, s_i + c_i): KVR's work, TSP's traffic.
+
+    It is the TSP step shown only the chunks up to this rank's own: every key
+    after them is in the future of all of this rank's queries. The last
+    rank, which decodes afterwards, still sees (and keeps) the whole context.
+    """
+    seen = pos.start + x.shape[1]
+    return tsp_layer(layer, x, dataclasses.replace(pos, context=seen), _FirstChunks(comm), attention)
 
 
-@shortcut("4.2", "5.1", "5.2", hide=True)
+@shortcut("4.2", "5.1", "5.2")
 def tsp_zigzag_layer(layer, x, pos: RankPositions, comm, attention):
     """Balanced TSP: rank r holds chunks r and 2p-1-r of 2p, so each rank owns an equal share of the triangle.
 
-    The all-gather returns tokens in rank order; putting them back in position
-    order gives the same keys as plain TSP. Only a kernel that skips masked
-    work profits from the balance (with the dense kernel every rank computes
-    c_i * C dot products whatever it holds).
+    It is the TSP step given the all-gathered pieces in position order
+    rather than rank order, so their concatenation is the context's keys as
+    in plain TSP. Only a kernel that skips masked work profits from the
+    balance (with the dense kernel every rank computes c_i * C dot products
+    whatever it holds).
     """
-    q, k, v = layer.qkv(x, pos.cos, pos.sin)
-    ks, vs = comm.all_gather(k, v)
-    order = torch.cat(pos.layout).argsort()                # rank order -> position order
-    k, v = torch.cat(ks, dim=-2)[..., order, :], torch.cat(vs, dim=-2)[..., order, :]   # (B, Hkv, C, D)
-    k_pos = torch.arange(pos.context, device=x.device)
-    out = layer.attend(q, k, v, pos.q_pos, k_pos, attention)
-    return layer.finish(x, out), k, v
+    return tsp_layer(layer, x, pos, _InPositionOrder(comm, pos.layout), attention)
+
+
+class _FirstChunks:
+    """An all-gather that hands back only the chunks up to this rank's own (rank order is position order)."""
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def all_gather(self, k, v):
+        ks, vs = self.comm.all_gather(k, v)
+        return ks[:self.comm.rank + 1], vs[:self.comm.rank + 1]
+
+
+class _InPositionOrder:
+    """An all-gather that hands back every rank's contiguous runs of tokens sorted by position."""
+
+    def __init__(self, comm, layout):
+        self.comm, self.layout = comm, layout
+
+    def all_gather(self, k, v):
+        ks, vs = self.comm.all_gather(k, v)
+        runs = []                                              # (first position, k piece, v piece)
+        for positions, rank_k, rank_v in zip(self.layout, ks, vs):
+            breaks = (torch.nonzero(positions.diff() != 1).flatten() + 1).tolist()
+            bounds = [0, *breaks, len(positions)]
+            runs += [(int(positions[a]), rank_k[..., a:b, :], rank_v[..., a:b, :])
+                     for a, b in zip(bounds, bounds[1:])]
+        runs.sort(key=lambda run: run[0])
+        return [r[1] for r in runs], [r[2] for r in runs]
 
 
 @answer("5.2", "KV-Runahead", also=("5.1",))
@@ -105,7 +130,4 @@ def default_step(method: str, overlap: bool = True, balance: str = "none"):
         chosen = {"none": tsp_layer, "trim": tsp_trimmed_layer, "zigzag": tsp_zigzag_layer}[balance]
     if hasattr(chosen, "exercise"):
         require(chosen.exercise)        # a step that is an exercise stops here, not inside a worker
-    if left_out(chosen):
-        raise ExerciseNotWritten(f"TSP with balance={balance!r} is left out of the student edition: its step "
-                                 "reads like the answer to Exercise 4.2")
     return chosen

@@ -1,0 +1,124 @@
+"""What grading found: one ``TestResult`` per graded test, a ``GradeReport`` with tables and Gradescope's format."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def format_points(x: float) -> str:
+    """Points as a person writes them: 3, 2.50."""
+    return str(int(x)) if float(x).is_integer() else f"{x:.2f}"
+
+
+def exercise_key(ex: str) -> tuple[int, int]:
+    """"3.10" sorts after "3.9"."""
+    major, minor = ex.split(".")
+    return int(major), int(minor)
+
+
+@dataclass
+class TestResult:
+    """One graded test: all of ``max_score`` when it passed, else 0."""
+
+    __test__ = False           # not a pytest test class, despite its name
+
+    name: str                  # "Exercise 1.2: test_ex1_2_top_k_one_is_argmax"
+    nodeid: str
+    exercise: str              # "1.2"
+    score: float
+    max_score: float
+    status: str                # passed | failed | error | timeout | skipped | crashed
+    output: str = ""
+    hidden: bool = False       # came from the instructor's extra tests
+
+    @property
+    def lesson(self) -> int:
+        return int(self.exercise.split(".")[0])
+
+
+@dataclass
+class GradeReport:
+    impl: str
+    tests: list[TestResult] = field(default_factory=list)
+    execution_time_s: float = 0.0
+    isolation: str = ""        # who ran the submission (sandbox.isolation())
+
+    @property
+    def score(self) -> float:
+        return sum(t.score for t in self.tests)
+
+    @property
+    def max_score(self) -> float:
+        return sum(t.max_score for t in self.tests)
+
+    def by_exercise(self) -> dict[str, tuple[float, float]]:
+        """{"1.2": (score, max_score), ...} in exercise order."""
+        out: dict[str, list[float]] = {}
+        for t in sorted(self.tests, key=lambda t: exercise_key(t.exercise)):
+            row = out.setdefault(t.exercise, [0, 0])
+            row[0] += t.score
+            row[1] += t.max_score
+        return {k: (v[0], v[1]) for k, v in out.items()}
+
+    def by_lesson(self) -> dict[int, tuple[float, float]]:
+        out: dict[int, list[float]] = {}
+        for ex, (s, m) in self.by_exercise().items():
+            row = out.setdefault(int(ex.split(".")[0]), [0, 0])
+            row[0] += s
+            row[1] += m
+        return {k: (v[0], v[1]) for k, v in out.items()}
+
+    def table(self) -> str:
+        """A plain-text table: one row per exercise, a subtotal per lesson, the total, then what failed."""
+        lines = [f"implementation: {self.impl}", *([self.isolation] if self.isolation else []),
+                 f"{'exercise':<10}{'score':>8}{'max':>6}  tests passed"]
+        exercises = self.by_exercise()
+        for lesson, (lesson_score, lesson_max) in self.by_lesson().items():
+            for ex, (s, m) in exercises.items():
+                if int(ex.split(".")[0]) == lesson:
+                    tests = [t for t in self.tests if t.exercise == ex]
+                    passed = sum(t.status == "passed" for t in tests)
+                    lines.append(f"{ex:<10}{format_points(s):>8}{format_points(m):>6}  {passed}/{len(tests)}")
+            lines.append(f"{'ex%02d' % lesson:<10}{format_points(lesson_score):>8}{format_points(lesson_max):>6}  (lesson total)")
+        lines.append(f"{'TOTAL':<10}{format_points(self.score):>8}{format_points(self.max_score):>6}")
+        failed = [t for t in self.tests if t.status != "passed"]
+        if failed:
+            lines.append("")
+            lines.append("not passed:")
+            for t in failed:
+                first = t.output.strip().splitlines()[0] if t.output.strip() else t.status
+                lines.append(f"  {t.name} [{t.status}]: {first[:160]}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        return f"GradeReport(impl={self.impl!r}, score={format_points(self.score)}/{format_points(self.max_score)}, tests={len(self.tests)})"
+
+    def to_gradescope(self) -> dict:
+        """The report in Gradescope's results.json format (extra tests are shown after grades are published)."""
+        return {
+            "score": self.score,
+            "max_score": self.max_score,
+            "execution_time": round(self.execution_time_s, 3),
+            "output": self.table(),
+            "visibility": "visible",
+            "stdout_visibility": "hidden",
+            "tests": [{"name": t.name, "number": t.exercise, "score": t.score, "max_score": t.max_score,
+                       "status": "passed" if t.status == "passed" else "failed", "output": t.output,
+                       "visibility": "after_published" if t.hidden else "visible"}
+                      for t in self.tests],
+        }
+
+    def write(self, path: str | os.PathLike) -> Path:
+        """Write results.json atomically: a new file replaces whatever was there (even a file someone else made)."""
+        path = Path(path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".results-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(self.to_gradescope(), indent=2) + "\n")
+        os.replace(tmp, path)
+        return path

@@ -1,0 +1,163 @@
+"""Running one lesson's graded tests: a trusted pytest process in the grader's private folder, watched."""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .course import COURSE_ENV, course_root, grading_tests_dir
+from .impl import IMPL_ENV
+from .outcome import outcome, read_log
+from .plugin import EXERCISES_ENV, LESSON_ENV, LOG_ENV
+from .report import TestResult
+from .sandbox import HIDE_ENV, MEMORY_ENV, SANDBOX_ENV, TIMEOUT_ENV
+
+
+class GradingError(RuntimeError):
+    """Grading could not run at all (a broken test suite, not a broken submission)."""
+
+
+def open_to_others(folder: Path) -> bool:
+    """True when users other than the owner can reach ``folder``'s files (every parent and it are o+x)."""
+    for part in (folder, *folder.parents):
+        if not part.stat().st_mode & stat.S_IXOTH:
+            return False
+    return True
+
+
+def private_copy_of_tests(tmp: Path, extra_dir: Path | None) -> tuple[Path, Path | None]:
+    """Copy the graded tests (and hidden ones) into the grader's own folder: what runs cannot be swapped."""
+    source = grading_tests_dir()
+    local = tmp / "tests" / "grading"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(source, local, ignore=ignore)
+    shared = source.parent / "conftest.py"              # tests/conftest.py: fixtures the graded tests share
+    if shared.is_file():
+        shutil.copyfile(shared, tmp / "tests" / "conftest.py")
+    private_extra = None
+    if extra_dir is not None:
+        private_extra = tmp / "hidden"
+        shutil.copytree(extra_dir, private_extra, ignore=ignore)
+    return local, private_extra
+
+
+def _end_with_parent() -> None:
+    """In the pytest child, before exec: die if the grader dies (a SIGKILL to it leaves nothing behind)."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)       # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env: str, timeout_s: float,
+                tmp: Path, memory_mb: int, exercises: set[str] | None = None,
+                extra_dir_original: Path | None = None) -> tuple[list[TestResult], set[int]]:
+    """One pytest subprocess for one lesson; returns its results and every lesson its collection saw."""
+    log = tmp / f"ex{lesson:02d}.jsonl"
+    out = tmp / f"ex{lesson:02d}.out"
+    cmd = [sys.executable, "-m", "pytest", *map(str, files), *([str(extra_dir)] if extra_dir else []),
+           "-p", "toyllm.grading.plugin", "-p", "no:cacheprovider", f"--timeout={timeout_s:g}", "-q", "--no-header",
+           "--import-mode=importlib", f"--rootdir={tmp}", "-c", os.devnull, "-o", "console_output_style=classic"]
+    env = dict(os.environ, **{IMPL_ENV: impl_env, LOG_ENV: str(log), LESSON_ENV: str(lesson),
+                              EXERCISES_ENV: ",".join(sorted(exercises or ())), "PYTHONHASHSEED": "0",
+                              "PYTHONDONTWRITEBYTECODE": "1",      # no __pycache__ beside a submission
+                              COURSE_ENV: str(course_root()), SANDBOX_ENV: "1", TIMEOUT_ENV: f"{timeout_s:g}",
+                              MEMORY_ENV: str(memory_mb),
+                              HIDE_ENV: os.pathsep.join(str(p) for p in (grading_tests_dir().parent, extra_dir_original,
+                                                                         tmp) if p is not None)})
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_end_with_parent)
+        try:
+            # Tests that start worker processes carry their own, longer timeout marks: give them room.
+            stalled = _watch(proc, log, timeout_s + 90)
+        except BaseException:          # Ctrl-C or SIGTERM to the grader: end the test process group too
+            _kill_group(proc)
+            raise
+    events = read_log(log)
+    tail = out.read_text(errors="replace")[-3000:]
+    collected = [e for e in events if e["event"] == "collected"]
+    if not collected:
+        raise GradingError(f"pytest could not collect the graded tests of ex{lesson:02d} (exit code "
+                           f"{proc.returncode}):\n{tail}")
+    items = collected[-1]["items"]
+    seen_lessons = {int(i["exercise"].split(".")[0]) for i in items}
+    phases: dict[str, dict[str, dict]] = {}
+    for e in events:
+        if e["event"] == "report":
+            phases.setdefault(e["nodeid"], {})[e["when"]] = e
+    violated = {}
+    for e in events:
+        if e["event"] == "violation":
+            violated.setdefault(e["exercise"], e["message"])
+    results = []
+    first_crash = True
+    for item in items:
+        if not item["selected"]:
+            continue
+        started = item["nodeid"] in phases
+        status, output = outcome(phases.get(item["nodeid"], {}))
+        if item["exercise"] in violated:                 # the independence rule costs the whole exercise
+            status, output = "failed", violated[item["exercise"]]
+        if status == "died":
+            status = "crashed"
+            if stalled and started:
+                status = "timeout"
+                output = f"stopped: the test process made no progress for {stalled:.0f} s and was killed"
+            elif stalled:
+                output = "crashed: not run, the test process had to be killed during an earlier test"
+            elif first_crash:
+                output = (f"crashed: the test process exited (code {proc.returncode}) during this test; look for "
+                          f"os._exit, a segfault or a killed process in the code under test. Last output:\n"
+                          f"{tail[-800:]}")
+            else:
+                output = "crashed: not run, the test process had died during an earlier test"
+            first_crash = False
+        hidden = extra_dir is not None and Path(item["path"]).resolve().is_relative_to(extra_dir.resolve())
+        name = f"Exercise {item['exercise']}: {item['name']}" + (" (hidden)" if hidden else "")
+        results.append(TestResult(name=name, nodeid=item["nodeid"], exercise=item["exercise"],
+                                  score=item["points"] if status == "passed" else 0, max_score=item["points"],
+                                  status=status, output=output, hidden=hidden))
+    return results, seen_lessons
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """End ``proc`` and everything it started (it leads its own session)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def _watch(proc: subprocess.Popen, log: Path, timeout_s: float) -> float:
+    """Wait for ``proc``; kill its process group if it stops making progress. Returns the stall in seconds (0: none).
+
+    pytest-timeout interrupts a slow test after ``timeout_s``; this is the
+    backstop for code it cannot interrupt (a hang inside a C call).
+    """
+    startup_s, stall_s = 180.0, 2 * timeout_s + 30
+    last_size, last_change = -1, time.monotonic()
+    while True:
+        try:
+            proc.wait(timeout=0.2)
+            return 0.0
+        except subprocess.TimeoutExpired:
+            pass
+        size = log.stat().st_size if log.exists() else 0
+        now = time.monotonic()
+        if size != last_size:
+            last_size, last_change = size, now
+        if now - last_change > (stall_s if size else startup_s):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            return now - last_change
