@@ -255,7 +255,7 @@ def test_load_exercise_follows_the_environment_variable(monkeypatch):
     monkeypatch.setenv("TOYLLM_IMPL", "solutions")
     assert load_exercise("ex02").kv_cache_bytes(40, 40, 128, 8192) == 6_710_886_400
     monkeypatch.setenv("TOYLLM_IMPL", "exercises")
-    with pytest.raises(NotImplementedError, match=r"^Exercise 2\.2: implement kv_cache_bytes \(hint: "):
+    with pytest.raises(NotImplementedError, match=r"^Exercise 2\.2: implement kv_cache_bytes \(idea: "):
         load_exercise("ex02_kv_cache").kv_cache_bytes(40, 40, 128, 8192)
     monkeypatch.delenv("TOYLLM_IMPL")
     assert Path(load_exercise("ex03").__file__).parent == ROOT / "exercises"      # the default
@@ -295,6 +295,7 @@ def scale(x, factor=2):
     Shapes: x (N,), returns (N,).
     """
     # BEGIN SOLUTION 9.1 hint: one multiplication
+    # idea: scaling is elementwise
     y = x * factor
     return y
     # END SOLUTION
@@ -304,14 +305,16 @@ class Box:
     def area(self):
         """Width times height, in square metres."""
         # BEGIN SOLUTION 9.2
+        # idea: a rectangle's area
         return self.w * self.h
         # END SOLUTION
 '''
 
 
 def test_make_stub_replaces_each_solution_and_keeps_the_rest():
-    stub = make_stub(SOLUTION)
+    stub = make_stub(SOLUTION, hints="code")
     assert "x * factor" not in stub and "BEGIN SOLUTION" not in stub and "END SOLUTION" not in stub
+    assert "# idea:" not in stub and "elementwise" not in stub
     assert 'def scale(x, factor=2):\n    """Multiply x by factor.\n\n    Shapes: x (N,), returns (N,).\n    """\n' \
            '    raise NotImplementedError("Exercise 9.1: implement scale (hint: one multiplication)")\n' in stub
     assert '        raise NotImplementedError("Exercise 9.2: implement area")\n' in stub
@@ -321,10 +324,20 @@ def test_make_stub_replaces_each_solution_and_keeps_the_rest():
         namespace["scale"](3)
 
 
+def test_idea_level_hints_are_the_default_and_never_the_code():
+    stub = make_stub(SOLUTION)
+    assert '    raise NotImplementedError("Exercise 9.1: implement scale (idea: scaling is elementwise)")\n' in stub
+    assert "one multiplication" not in stub and "x * factor" not in stub
+    with pytest.raises(ValueError, match="line 3: Exercise 1.1 needs a '# idea: ...' line"):
+        make_stub("def f():\n    # BEGIN SOLUTION 1.1 hint: return 1\n    return 1\n    # END SOLUTION\n")
+    with pytest.raises(ValueError, match="hints must be one of"):
+        make_stub(SOLUTION, hints="all")
+
+
 def test_make_stub_wraps_long_hints_into_valid_code():
     long_hint = "first do this, then that; " * 8
     source = f"def f():\n    # BEGIN SOLUTION 1.9 hint: {long_hint.strip()}\n    return 1\n    # END SOLUTION\n"
-    stub = make_stub(source)
+    stub = make_stub(source, hints="code")
     assert max(len(line) for line in stub.splitlines()) <= 100
     namespace = {}
     exec(compile(stub, "stub", "exec"), namespace)
@@ -342,7 +355,7 @@ def test_make_stub_wraps_long_hints_into_valid_code():
 ])
 def test_make_stub_rejects_malformed_markers(source, error):
     with pytest.raises(ValueError, match=re.escape(error)):
-        make_stub(source)
+        make_stub(source, hints="code")
 
 
 def test_exercises_are_in_sync_with_solutions():
@@ -364,7 +377,7 @@ def test_sync_writes_stubs_and_refuses_to_overwrite_answers(tmp_path):
     assert sync(check=True, solutions_dir=solutions, exercises_dir=exercises) == []
     # A learner answers exercise 9.1 in place; a later sync must not wipe it out.
     answered = make_stub(SOLUTION).replace(
-        'raise NotImplementedError("Exercise 9.1: implement scale (hint: one multiplication)")', "return x * factor")
+        'raise NotImplementedError("Exercise 9.1: implement scale (idea: scaling is elementwise)")', "return x * factor")
     (exercises / "ex09_demo.py").write_text(answered)
     with pytest.raises(ValueError, match=r"answers to exercise\(s\) \['9.1'\]"):
         sync(solutions_dir=solutions, exercises_dir=exercises)
