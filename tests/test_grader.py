@@ -195,7 +195,7 @@ def test_a_crash_or_a_hang_costs_only_the_test_that_met_it(tmp_path):
     assert hung.status == "timeout" and hung.output.startswith("timed out: attention_intensity(4096, 4096) did not "
                                                                "return within"), hung.output
     crashed = [t for t in lost.values() if t.exercise == "2.2"]
-    assert all(t.status == "crashed" and "exit code 3" in t.output and "kv_cache_bytes(" in t.output
+    assert all(t.status == "crashed" and "exited with code 3" in t.output and "kv_cache_bytes(" in t.output
                for t in crashed), [t.output for t in crashed]
     assert report.by_exercise()["2.3"] == (4, 4) and report.by_exercise()["2.4"] == (4, 4)   # after the crash
     assert json.loads(results.read_text())["score"] == report.score == report.max_score - 3 - 1
@@ -542,6 +542,38 @@ def test_a_submission_cannot_forge_its_score_tamper_with_tests_or_read_them(tmp_
         assert not [p for p in psutil.process_iter(["cmdline"]) if "toyllm-tamper-marker" in (p.info["cmdline"] or [])]
     finally:
         shutil.rmtree(course)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_hidden_tests_never_show_their_names_messages_or_prints(tmp_path):
+    """A hidden test prints a secret, then the submission reads its own stdout and stderr; the visible
+    output (every message a student sees, and results.json's top-level output) carries neither the secret
+    nor the hidden test's name or assertion."""
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "test_ex03_secret.py").write_text(textwrap.dedent('''
+        import pytest
+        from toyllm.grading import load_exercise
+
+        @pytest.mark.exercise("3.3")
+        @pytest.mark.points(1)
+        def test_hidden_name_marker():
+            print("SECRET-PRINT-MARKER")
+            assert load_exercise("ex03").min_step_time_s(1e9, 1e8, 2, 1e12) == 7, "SECRET-ASSERT-MARKER"
+        '''))
+    hidden.chmod(0o700)
+    results = tmp_path / "results.json"
+    submission = make_submission(tmp_path / "sub", "peeking")
+    report = grade(submission, only="3.3", extra_tests=hidden, results_path=results)
+    assert report.by_exercise()["3.3"][0] == 0
+    visible = "\n".join(t.output for t in report.tests if not t.hidden)
+    shown = json.loads(results.read_text())
+    for secret in ("SECRET-PRINT-MARKER", "SECRET-ASSERT-MARKER", "test_hidden_name_marker"):
+        assert secret not in visible and secret not in shown["output"], (secret, visible, shown["output"])
+    peeked = [t.output for t in report.tests if "peeked" in t.output]
+    assert peeked and all("SECRET" not in out for out in peeked), peeked
+    assert "a hidden test of Exercise 3.3 [failed]" in shown["output"], shown["output"]
 
 
 @pytest.mark.slow

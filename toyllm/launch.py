@@ -72,6 +72,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .supervise import describe_exit, signal_group
+
 BACKENDS = ("auto", "gloo", "nccl")
 HOST = "127.0.0.1"
 
@@ -214,27 +216,7 @@ def _join_all(procs: list, grace_s: float) -> None:
 def _signal_groups(procs: list, sig: int) -> None:
     """Send ``sig`` to each worker's process group (the worker and whatever it started)."""
     for p in procs:
-        if p.pid is None:
-            continue
-        try:
-            os.killpg(p.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            try:                        # not a group leader (yet): signal the worker itself
-                os.kill(p.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-
-def _describe_exit(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "stopped responding"
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"was killed by {name} (exit code {exitcode})"
-    return f"exited with code {exitcode}"
+        signal_group(p.pid, sig)
 
 
 # ----------------------------------------------------------------------------
@@ -436,7 +418,7 @@ class WorkerPool:
         self.close(graceful=exc_type is None)
 
     def __repr__(self) -> str:
-        dead = [f"rank {r} {_describe_exit(p.exitcode)}" for r, p in enumerate(self._workers.procs)
+        dead = [f"rank {r} {describe_exit(p.exitcode)}" for r, p in enumerate(self._workers.procs)
                 if not self.closed and not p.is_alive()]
         state = "closed" if self.closed else ("broken: " + "; ".join(dead) if dead else "running")
         return f"WorkerPool(world_size={self.world_size}, backend={self.backend!r}, {state}, pids={self.pids})"
@@ -463,7 +445,7 @@ class WorkerPool:
     def _died(self, rank: int, starting: bool = False) -> WorkerError:
         p = self._workers.procs[rank]
         p.join(_KILL_GRACE_S)
-        message = (f"rank {rank} of {self.world_size} {_describe_exit(p.exitcode)} without reporting an "
+        message = (f"rank {rank} of {self.world_size} {describe_exit(p.exitcode)} without reporting an "
                    "error (a crash, os._exit() or a signal; no Python traceback)")
         if starting:
             message += ("; it died while starting, its stderr may say why (a script that starts workers "

@@ -14,7 +14,6 @@ student edition), which each kernel inherits.
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import secrets
@@ -29,6 +28,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from toyllm.supervise import die_with_parent
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
@@ -63,10 +64,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _die_with_parent() -> None:
-    """Popen preexec_fn: on Linux the child gets SIGTERM when the test process dies, even when it is killed
+    """Popen preexec_fn: the child gets SIGTERM when the test process dies, even when it is killed
     by a signal that skips the fixtures' teardown (the JupyterLab server then ends its kernels)."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)   # 1 = PR_SET_PDEATHSIG
+    die_with_parent(signal.SIGTERM)
 
 
 def _free_port() -> int:

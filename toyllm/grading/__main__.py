@@ -1,3 +1,3 @@
-from .cli import _cli
+from .cli import cli_main
 
-raise SystemExit(_cli())
+raise SystemExit(cli_main())

@@ -49,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cli(argv: list[str] | None = None) -> int:
+def cli_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m toyllm.grading", description="Grade exercises; keep stubs in sync.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_arguments(sub.add_parser("grade", help="run the graded tests and score them"))
@@ -73,4 +73,4 @@ def _cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_cli())
+    sys.exit(cli_main())

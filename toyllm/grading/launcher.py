@@ -29,6 +29,8 @@ _MNT_DETACH = 2
 
 
 def libc():
+    # This file runs as a script before the sandbox is set up: it imports nothing of toyllm (whose
+    # package would pull in torch), so it keeps its own two-line handle on the C library.
     return ctypes.CDLL(None, use_errno=True)
 
 

@@ -71,8 +71,12 @@ class GradeReport:
             row[1] += m
         return {k: (v[0], v[1]) for k, v in out.items()}
 
-    def table(self) -> str:
-        """A plain-text table: one row per exercise, a subtotal per lesson, the total, then what failed."""
+    def table(self, show_hidden: bool = True) -> str:
+        """A plain-text table: one row per exercise, a subtotal per lesson, the total, then what failed.
+
+        show_hidden=False (what a student may see) names no hidden test and
+        shows none of its messages: only that one of an exercise did not pass.
+        """
         lines = [f"implementation: {self.impl}", *([self.isolation] if self.isolation else []),
                  f"{'exercise':<10}{'score':>8}{'max':>6}  tests passed"]
         exercises = self.by_exercise()
@@ -89,6 +93,9 @@ class GradeReport:
             lines.append("")
             lines.append("not passed:")
             for t in failed:
+                if t.hidden and not show_hidden:
+                    lines.append(f"  a hidden test of Exercise {t.exercise} [{t.status}]")
+                    continue
                 first = t.output.strip().splitlines()[0] if t.output.strip() else t.status
                 lines.append(f"  {t.name} [{t.status}]: {first[:160]}")
         return "\n".join(lines)
@@ -105,7 +112,7 @@ class GradeReport:
             "score": self.score,
             "max_score": self.max_score,
             "execution_time": round(self.execution_time_s, 3),
-            "output": self.table(),
+            "output": self.table(show_hidden=False),        # shown to the student at once
             "visibility": "visible",
             "stdout_visibility": "hidden",
             "tests": [{"name": t.name, "number": t.exercise, "score": t.score, "max_score": t.max_score,

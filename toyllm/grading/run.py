@@ -1,16 +1,15 @@
 """Running one lesson's graded tests: a trusted pytest process in the grader's private folder, watched."""
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
-import signal
 import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from ..supervise import die_with_parent, signal_group
 from .course import COURSE_ENV, course_root, grading_tests_dir
 from .impl import IMPL_ENV
 from .outcome import outcome, read_log
@@ -47,14 +46,6 @@ def private_copy_of_tests(tmp: Path, extra_dir: Path | None) -> tuple[Path, Path
     return local, private_extra
 
 
-def _end_with_parent() -> None:
-    """In the pytest child, before exec: die if the grader dies (a SIGKILL to it leaves nothing behind)."""
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)       # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env: str, timeout_s: float,
                 tmp: Path, memory_mb: int, exercises: set[str] | None = None,
                 extra_dir_original: Path | None = None) -> tuple[list[TestResult], set[int]]:
@@ -73,7 +64,7 @@ def run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env:
                                                                          tmp) if p is not None)})
     with open(out, "wb") as sink:
         proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=sink, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_end_with_parent)
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
         try:
             # Tests that start worker processes carry their own, longer timeout marks: give them room.
             stalled = _watch(proc, log, timeout_s + 90)
@@ -129,10 +120,7 @@ def run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env:
 
 def _kill_group(proc: subprocess.Popen) -> None:
     """End ``proc`` and everything it started (it leads its own session)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    signal_group(proc.pid)
     proc.wait()
 
 
@@ -155,9 +143,5 @@ def _watch(proc: subprocess.Popen, log: Path, timeout_s: float) -> float:
         if size != last_size:
             last_size, last_change = size, now
         if now - last_change > (stall_s if size else startup_s):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            _kill_group(proc)
             return now - last_change

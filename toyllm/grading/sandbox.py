@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -44,7 +43,8 @@ import time
 from pathlib import Path
 
 from . import guard, wire
-from .launcher import closed_folders, libc, namespaces_work
+from ..supervise import become_subreaper, describe_exit, signal_group
+from .launcher import closed_folders, namespaces_work
 
 SANDBOX_ENV = "TOYLLM_GRADE_SANDBOX"          # "1" in the grader's pytest processes
 TIMEOUT_ENV = "TOYLLM_GRADE_TIMEOUT"          # seconds per test (the grader's --timeout)
@@ -145,6 +145,7 @@ class Sandbox:
         self.hide = [Path(p) for p in hide]       # folders the submission must not see (the tests)
         self.user = sandbox_user()
         self.proc: subprocess.Popen | None = None
+        self._output = None                   # read end of the sandbox's stdout and stderr
         self.sock: socket.socket | None = None
         self.scratch: Path | None = None
         self.loaded: dict[str, dict] = {}          # module -> reply of its load
@@ -180,8 +181,18 @@ class Sandbox:
                str(child.fileno()), str(reference), str(os.getpid()), limits, user, hide]
         _become_subreaper()
         self._others = {p.pid for p in _children()}
-        self.proc = subprocess.Popen(cmd, cwd=self.scratch, env=env, pass_fds=(child.fileno(),),
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        # Fresh descriptors for the sandbox's output: a write-only one on a file of the grader's (mode 0600),
+        # never the trusted test process's own stdout and stderr, where pytest captures what a test printed.
+        fd, path = tempfile.mkstemp(prefix="toyllm-sandbox-", suffix=".out")
+        self._output = os.fdopen(fd, "rb")
+        write_only = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.unlink(path)
+        try:
+            self.proc = subprocess.Popen(cmd, cwd=self.scratch, env=env, pass_fds=(child.fileno(),),
+                                         stdin=subprocess.DEVNULL, stdout=write_only, stderr=write_only,
+                                         start_new_session=True)
+        finally:
+            os.close(write_only)
         child.close()
         self.sock = parent
         for name in list(self.loaded):               # a restart: bring back what was loaded
@@ -193,12 +204,11 @@ class Sandbox:
         if self.proc is None:
             return
         proc, self.proc = self.proc, None
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        signal_group(proc.pid)
         proc.wait()
         self._end_descendants()
+        self.relay_output()
+        self._output.close()
         if self.sock is not None:
             self.sock.close()
             self.sock = None
@@ -222,13 +232,22 @@ class Sandbox:
 
     # -- requests
 
+    def relay_output(self) -> None:
+        """Show what the submission printed so far as this test's own output (pytest captures it here)."""
+        if self._output is not None and not self._output.closed:
+            printed = self._output.read()
+            if printed:
+                sys.stdout.write(printed.decode(errors="replace"))
+
     def _request(self, message: dict, what: str, timeout_s: float) -> dict:
         if self.proc is None:
             self._start()
         try:
             self.sock.settimeout(timeout_s)
             wire.send(self.sock, wire.to_sandbox(message))
-            return wire.from_sandbox(wire.recv(self.sock))
+            reply = wire.from_sandbox(wire.recv(self.sock))
+            self.relay_output()
+            return reply
         except socket.timeout:
             self.kill()
             raise SubmissionTimeout(f"timed out: {what} did not return within {timeout_s:.0f} s "
@@ -239,7 +258,7 @@ class Sandbox:
                 time.sleep(0.1)
                 code = self.proc.poll()
             self.kill()
-            why = _describe_exit(code) if code is not None else str(e)
+            why = describe_exit(code) if code is not None else str(e)
             raise SubmissionCrash(f"crashed: the submission's process died during {what} ({why}); look for "
                                   "os._exit, sys.exit in a worker, a segfault or running out of memory") from None
         except BaseException:                   # Ctrl-C, a test's own timeout: the sandbox is mid-call
@@ -287,20 +306,7 @@ def _children():
 
 def _become_subreaper() -> None:
     """Orphaned descendants come back to this process instead of init, so they can be ended."""
-    PR_SET_CHILD_SUBREAPER = 36
-    try:
-        libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
+    become_subreaper()
 
 
 def _rebuild_error(error: dict) -> Exception:

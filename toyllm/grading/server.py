@@ -20,12 +20,11 @@ from __future__ import annotations
 import builtins
 import importlib
 import os
-import signal
 import socket
 import sys
 import traceback
 
-from .launcher import libc
+from ..supervise import die_with_parent
 
 
 def _error(exc: BaseException, files) -> dict:
@@ -126,8 +125,7 @@ def serve() -> None:
 
     fd, reference, parent_pid, limits = sys.argv[1:5]
     memory_mb, cpu_s, file_bytes, nproc = (int(x) for x in limits.split(","))
-    PR_SET_PDEATHSIG = 1
-    libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)        # the grader's test process died: so do we
+    die_with_parent()                                               # the grader's test process died: so do we
     if os.getppid() != int(parent_pid):
         os._exit(1)
     resource.setrlimit(resource.RLIMIT_AS, (memory_mb * 2**20,) * 2)

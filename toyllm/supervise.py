@@ -1,0 +1,65 @@
+"""Looking after child processes: one place for what the launcher, the grader and its sandbox all need.
+
+- ``signal_group``: signal a process and everything it started (it leads its own group);
+- ``die_with_parent``: in a child, ask the kernel to end it when its parent dies;
+- ``become_subreaper``: orphans of this process's descendants come back to it, not to PID 1;
+- ``describe_exit``: "was killed by SIGKILL (exit code -9)", for messages.
+
+Linux only where the kernel is asked (``prctl``); elsewhere those calls do nothing.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def libc():
+    """The C library of this process, with errno kept for error messages."""
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _prctl(option: int, value: int) -> bool:
+    try:
+        return libc().prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):          # not Linux
+        return False
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+    """End this process with ``sig`` when its parent dies (call it in the child, e.g. as a preexec_fn)."""
+    return _prctl(_PR_SET_PDEATHSIG, sig)
+
+
+def become_subreaper() -> bool:
+    """Descendants orphaned below this process are re-parented to it, so it can still end them."""
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def signal_group(pid: int | None, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to the process group ``pid`` leads, or to ``pid`` alone if it leads none (yet); gone is fine."""
+    if pid is None:
+        return
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """How a process ended, for a message: "exited with code 3", "was killed by SIGKILL (exit code -9)"."""
+    if exitcode is None:
+        return "stopped responding"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name} (exit code {exitcode})"
+    return f"exited with code {exitcode}"
