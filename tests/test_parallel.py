@@ -5,6 +5,7 @@ the same products, in a different order only where chunks are concatenated).
 """
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -117,6 +118,31 @@ def test_timelines_cover_every_rank_and_layer(pools):
         assert len(waits) == (n_layers if rank > 0 else 0)       # rank 0 never receives
     tsp = parallel_prefill(SPECS["gqa"], _ids(), "tsp", 3, pool=pools(3))
     assert sum(e["kind"] == "allgather" for e in tsp.timeline) == 3 * n_layers
+
+
+@pytest.mark.timeout(300)
+def test_ttft_is_when_the_last_rank_has_the_first_token(pools):
+    """TTFT is the last rank's logits-ready time, as in the simulator and the lessons; not the slowest rank's end.
+
+    Rank 0 holds 7/8 of the prompt: after sending its last layer's K,V it still
+    attends and runs the MLP over 448 tokens while rank 1 finishes 64 and
+    projects the first token. Only fields of the result are compared, no clock limits.
+    """
+    spec = ModelSpec("bench")
+    result = parallel_prefill(spec, random_prompt(512, spec.config.vocab_size, 3), "kvr", 2, [448, 64],
+                              pool=pools(2), repeat=3)
+    head = [e for e in result.timeline if e["label"] == "lm_head"]
+    assert [e["rank"] for e in head] == [1]                         # only the last rank projects the first token
+    assert result.ttft_runs[-1] == head[0]["end_s"]                 # TTFT: the last rank's logits exist
+    assert result.ttft_s == statistics.median(result.ttft_runs)
+    ends = [max(e["end_s"] for e in result.timeline if e["rank"] == r) for r in range(2)]
+    assert result.slowest_rank_runs[-1] >= max(ends)                # every rank's last event is over by then
+    assert len(result.slowest_rank_runs) == len(result.ttft_runs) == 3
+    assert all(slow >= t for slow, t in zip(result.slowest_rank_runs, result.ttft_runs))
+    assert result.slowest_rank_s >= result.ttft_s
+    # Rank 0 is still busy when the first token exists (in at least one of three runs): here the two differ.
+    assert any(slow > t for slow, t in zip(result.slowest_rank_runs, result.ttft_runs))
+    assert result.to_json()["slowest_rank_s"] == result.slowest_rank_s
 
 
 @pytest.mark.timeout(300)

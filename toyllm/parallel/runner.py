@@ -77,6 +77,10 @@ class PrefillResult:
     context: int                           # tokens
     partition: list[int]                   # tokens per rank
     threads_per_rank: int
+    # TTFT of a run: seconds from the common start (every rank leaves a barrier) until the rank
+    # holding the last prompt token (the last rank; rank 0 with zigzag) has the first-token
+    # logits. Other ranks may still be busy then (finishing their own last layer, draining a
+    # send): that is slowest_rank_s, reported beside it, not the time to the first token.
     ttft_s: float                          # median over the timed runs (seconds)
     ttft_runs: list[float]                 # seconds, one per timed run
     first_token: int
@@ -89,6 +93,8 @@ class PrefillResult:
     attention: str = "dense"               # the attention kernel every rank used
     link: dict | None = None
     max_abs_logit_diff: float | None = None
+    slowest_rank_s: float | None = None    # median over the timed runs of the last rank to finish anything
+    slowest_rank_runs: list[float] = field(default_factory=list)   # seconds, one per timed run
 
     def to_json(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k not in ("logits", "kv_cache")}
@@ -238,10 +244,11 @@ def prefill_rank(ctx: RankContext, spec: ModelSpec, ids: list[int], method: str,
                  repeat: int = 1, warmup: int = 1, return_cache: bool = False, decode_tokens: int = 0) -> dict:
     """The worker function: one rank's part of a parallel prefill, run ``warmup + repeat`` times.
 
-    Returns this rank's seconds per run and timeline; the rank holding the
-    last prompt token (the last rank, or rank 0 with zigzag) also returns the
-    first-token logits (and optionally its KV cache and the tokens it
-    decodes from that cache).
+    Returns this rank's seconds per run (when it finished everything, sends
+    included) and timeline; the rank holding the last prompt token (the last
+    rank, or rank 0 with zigzag) also returns the first-token logits, when
+    they existed in each run (``logits_s``: the TTFT), and optionally its KV
+    cache and the tokens it decodes from that cache.
     """
     model = spec.build().to(ctx.device)
     rank, p = ctx.rank, ctx.world_size
@@ -255,7 +262,7 @@ def prefill_rank(ctx: RankContext, spec: ModelSpec, ids: list[int], method: str,
                         tuple(t.to(ctx.device) for t in layout))
     owner = next(r for r, t in enumerate(layout) if int(t[-1]) == sum(chunks) - 1)   # holds the last token
     cfg = model.config
-    runs, tl = [], Timeline(rank)
+    runs, ready, tl = [], [], Timeline(rank)
     for run in range(warmup + repeat):
         rng = random.Random(hash((link.seed if link else 0, run)))   # the same draws on every rank
         if method == "tsp":
@@ -272,17 +279,20 @@ def prefill_rank(ctx: RankContext, spec: ModelSpec, ids: list[int], method: str,
             comm.layer = i
             x, k, v = layer_step(_TimedBlock(block, tl, i), x, pos, comm, model.attention)
             cache.update(i, k, v)
-        comm.drain()                                       # this rank's sends still in flight end here
         logits = None
         if rank == owner:
             with tl.span("compute", None, "lm_head"):
                 logits = model.head(x[:, -1:])[0, -1]                   # only the position that picks the token
+            if run >= warmup:
+                ready.append(tl.events[-1].end_s)                       # the first token exists: TTFT
+        comm.drain()                                       # this rank's sends still in flight end here
         if run >= warmup:
             runs.append(tl.now())
     out = {"rank": rank, "runs_s": runs, "events": tl.to_dicts()}
     if rank == owner:
         _check_step_output(cache, sum(chunks), cfg)
         out["logits"] = logits
+        out["logits_s"] = ready
         if return_cache:
             out["kv_cache"] = [(k.clone(), v.clone()) for k, v in cache]
         if decode_tokens:
@@ -364,12 +374,16 @@ def parallel_prefill(spec: ModelSpec | str, ids: list[int], method: str = "kvr",
 
 
 def _merge(outs, *, method, chunks, threads, overlap, link, balance="none", attention="dense") -> PrefillResult:
-    # TTFT of a run: the slowest rank's time (all ranks started together after a barrier).
-    runs = [max(o["runs_s"][r] for o in outs) for r in range(len(outs[0]["runs_s"]))]
+    # All ranks start together (after a barrier). TTFT of a run: when the rank holding the last
+    # prompt token had the first-token logits, the definition the simulator and the lessons use.
+    # The slowest rank's end (other ranks finishing their last layer or draining a send) is kept apart.
     last = next(o for o in outs if "logits" in o)          # the rank that held the last prompt token
+    runs = list(last["logits_s"])
+    slowest = [max(o["runs_s"][r] for o in outs) for r in range(len(runs))]
     cache = DynamicKVCache.from_layers(last["kv_cache"]) if last.get("kv_cache") else None
     return PrefillResult(method=method, world_size=len(chunks), context=sum(chunks), partition=list(chunks),
                          threads_per_rank=threads, ttft_s=statistics.median(runs), ttft_runs=runs,
+                         slowest_rank_s=statistics.median(slowest), slowest_rank_runs=slowest,
                          first_token=int(last["logits"].argmax()), logits=last["logits"],
                          timeline=[e for o in outs for e in o["events"]], kv_cache=cache,
                          decoded=last.get("decoded"), overlap=overlap, balance=balance, attention=attention,
@@ -394,6 +408,7 @@ def _single(spec, ids, *, repeat, warmup, threads, return_cache, decode_tokens) 
     events = [{"rank": 0, "kind": "compute", "start_s": 0.0, "end_s": runs[-1], "layer": None, "label": "prefill"}]
     return PrefillResult(method="single", world_size=1, context=len(ids), partition=[len(ids)],
                          threads_per_rank=threads, ttft_s=statistics.median(runs), ttft_runs=runs,
+                         slowest_rank_s=statistics.median(runs), slowest_rank_runs=list(runs),
                          first_token=int(logits.argmax()), logits=logits, timeline=events,
                          kv_cache=cache if return_cache else None, decoded=decoded, attention=spec.attention)
 
@@ -438,6 +453,9 @@ def demo_prefill(context: int = 2048, spec: ModelSpec | None = None) -> None:
 def measured_cost(spec: ModelSpec | str, ids: list[int], pool: WorkerPool, method: str = "kvr",
                   repeat: int = 3, **kw):
     """A cost function for the partition searches: median TTFT (seconds) of real runs in ``pool``.
+
+    TTFT as everywhere in toyllm: when the last rank has the first-token
+    logits (``PrefillResult.ttft_s``), not when the slowest rank finishes.
 
     The pool's processes and model copies stay alive across evaluations, so
     a search pays the start-up once.
