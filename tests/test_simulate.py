@@ -97,6 +97,23 @@ def test_event_invariants():
     assert simulate_prefill(BENCH, [300, 300], "kvr", CPU_LIKE, record_events=False).events == []
 
 
+def test_ttft_is_the_last_ranks_finish_even_when_an_earlier_rank_is_slower():
+    """The first token comes from the last rank: TTFT is its finish, not the slowest rank's (as on real runs)."""
+    chunks = [896, 128]                                        # rank 0 still attends over 896 tokens at the end
+    res = simulate_prefill(BENCH, chunks, "kvr", CPU_LIKE)
+    assert res.per_rank_finish_s[0] > res.per_rank_finish_s[-1]           # rank 0 is the slowest here
+    assert res.ttft_s == res.per_rank_finish_s[-1] < res.slowest_rank_s == res.per_rank_finish_s[0]
+    last_rank_events = [e for e in res.events if e.rank == len(chunks) - 1]
+    assert res.ttft_s == max(e.end_s for e in last_rank_events)
+    assert res.to_dict()["slowest_rank_s"] == res.slowest_rank_s
+    # The searches and the method comparison optimise and report that same time.
+    assert ttft_cost(BENCH, CPU_LIKE)(chunks) == res.ttft_s
+    cmp = compare_methods(BENCH, 1024, 2, CPU_LIKE, min_stride=64)
+    assert cmp["kvr_even"] == simulate_prefill(BENCH, even_partition(1024, 2), "kvr", CPU_LIKE).per_rank_finish_s[-1]
+    found = simulate_prefill(BENCH, cmp["kvr_searched_chunks"], "kvr", CPU_LIKE)
+    assert cmp["kvr_searched"] == found.per_rank_finish_s[-1]
+
+
 # --------------------------------------------------------------------------- trends the lessons rely on
 
 def test_kvr_beats_tsp_for_a_long_context_and_searching_beats_even():

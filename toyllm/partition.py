@@ -19,7 +19,9 @@ Three parts:
    longer prefixes, earlier ranks must run ahead so later ones never wait.
    ``search_boundary_1d`` (two processes) and ``hierarchical_grid_search``
    (any number) find a good partition for any cost function
-   ``cost(chunks) -> seconds``: a simulator or real measured runs.
+   ``cost(chunks) -> seconds``: a simulator (``toyllm.simulate.ttft_cost``)
+   or real measured runs (``toyllm.parallel.measured_cost``), both returning
+   the TTFT as the time the last rank has the first token.
 3. Reusing. ``PartitionTable`` keeps the best partitions found per context
    length as ratios and interpolates new lengths between the two nearest
    entries (the paper's KVR-P).

@@ -135,8 +135,10 @@ class CostModel:
         alpha, layer_overhead_s = b + d + g (negative fits are clipped to 0).
 
         The link is not measured here: pass what you measured. The defaults,
-        3 GB/s and 50 us, are about what gloo achieved between two processes
-        on one small VM (a 10 MB K,V prefix in about 3 ms).
+        3 GB/s and 50 us, are an assumption, not a measurement of this
+        machine's link (gloo over TCP loopback has been measured anywhere
+        from about 0.6 to 3 GB/s on small shared VMs, depending on message
+        size and load).
         """
         import torch
 
@@ -243,8 +245,11 @@ def random_link_noise(sigma: float, seed: int = 0) -> LinkNoise:
 class SimResult:
     """One simulated prefill. Times in seconds from the common start.
 
-    ttft_s: when the last rank finishes its last layer (first token ready).
+    ttft_s: when the last rank finishes its last layer: the first token comes
+    from the last rank, so this is the TTFT, as in a real run
+    (``PrefillResult.ttft_s``), even when an earlier rank is still computing.
     per_rank_finish_s: when each rank finishes its own compute.
+    slowest_rank_s: the latest of those (not the TTFT; kept for comparison).
     events: per-rank intervals (compute, recv_wait, send, send_wait, allgather),
     the same ``Event`` objects a real run records, so one plot draws both.
     """
@@ -255,8 +260,13 @@ class SimResult:
     method: str = ""
     chunks: list[int] = field(default_factory=list)
 
+    @property
+    def slowest_rank_s(self) -> float:
+        return max(self.per_rank_finish_s)
+
     def to_dict(self) -> dict:
-        return {"ttft_s": self.ttft_s, "per_rank_finish_s": self.per_rank_finish_s, "method": self.method,
+        return {"ttft_s": self.ttft_s, "slowest_rank_s": self.slowest_rank_s,
+                "per_rank_finish_s": self.per_rank_finish_s, "method": self.method,
                 "chunks": self.chunks, "simulated": True, "events": [e.to_dict() for e in self.events]}
 
 
@@ -385,7 +395,12 @@ def _simulate_tsp(cfg, chunks, cm: CostModel, noise: LinkNoise, events) -> list[
 @shortcut("7.3")
 def ttft_cost(cfg: ModelConfig, cost_model: CostModel, method: str = "kvr", overlap: bool = True,
               link_noise: float | LinkNoise | None = None) -> Callable[[list[int]], float]:
-    """``cost(chunks) -> simulated TTFT in seconds``, ready for the searches in ``toyllm.partition``."""
+    """``cost(chunks) -> simulated TTFT in seconds``, ready for the searches in ``toyllm.partition``.
+
+    TTFT: when the last rank has the first token (``SimResult.ttft_s``), the
+    same definition as ``toyllm.parallel.measured_cost`` on real runs, so a
+    search against the simulator and one against measurements optimise the same thing.
+    """
     def cost(chunks: list[int]) -> float:
         return simulate_prefill(cfg, chunks, method, cost_model, overlap, link_noise, record_events=False).ttft_s
 
