@@ -134,6 +134,28 @@ def test_bars_and_distribution():
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()][1] == "\\n"   # control characters made visible
 
 
+@pytest.mark.parametrize("bandwidths", [[1, 10, 100, 1000], [0.5, 300], [3.0], [300, 10, 1]])
+def test_speedup_map_axes_span_the_given_values_not_decades_more(bandwidths):
+    contexts = [512, 1024, 4096]
+    speedup = [[0.5 + 0.4 * i + 0.1 * j for j in range(len(bandwidths))] for i in range(len(contexts))]
+    ax = viz.plot_speedup_map(contexts, bandwidths, speedup).axes[0]
+    assert ax.get_xscale() == "log"
+    lo, hi = sorted(ax.get_xlim())
+    assert min(bandwidths) / 2 <= lo <= min(bandwidths) and max(bandwidths) <= hi <= max(bandwidths) * 2
+    lo, hi = sorted(ax.get_ylim())
+    assert min(contexts) / 2 <= lo <= min(contexts) and max(contexts) <= hi <= max(contexts) * 2
+    # One cell per value, each containing its value (in log space, edges at geometric means).
+    mesh = ax.collections[0]
+    assert mesh.get_array().size == len(contexts) * len(bandwidths)
+    if len(bandwidths) == 4:
+        assert viz._log_cell_edges(bandwidths, "b")[1:-1] == pytest.approx([10 ** 0.5, 10 ** 1.5, 10 ** 2.5])
+
+
+def test_speedup_map_rejects_a_bandwidth_a_log_axis_cannot_show():
+    with pytest.raises(ValueError, match="positive"):
+        viz.plot_speedup_map([512], [0, 10], [[1.0, 1.2]])
+
+
 def test_plots_draw_into_a_given_axes():
     fig, (a, b) = plt.subplots(1, 2)
     assert viz.plot_coverage([2, 2], ax=a) is fig

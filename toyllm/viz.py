@@ -367,6 +367,28 @@ def plot_partition_heatmap(context: int, surface: Mapping[tuple[int, int], float
     return fig
 
 
+def _log_cell_edges(centres: Sequence[float], name: str):
+    """Edges of cells centred (in log space) on ``centres``: geometric means of neighbours.
+
+    The outer edges sit half a cell beyond the first and last centres, at most a
+    factor of 2 away, so the axis spans the given values and not decades more.
+    """
+    import numpy as np
+
+    v = np.asarray(centres, dtype=float)
+    if v.ndim != 1 or len(v) == 0 or not np.all(np.isfinite(v)) or not np.all(v > 0):
+        raise ValueError(f"{name} must be positive numbers for a log axis, got {list(centres)}")
+    if len(v) > 1 and not (np.all(np.diff(v) > 0) or np.all(np.diff(v) < 0)):
+        raise ValueError(f"{name} must be strictly increasing (or decreasing), got {list(centres)}")
+    if len(v) == 1:
+        return np.array([v[0] / 2 ** 0.5, v[0] * 2 ** 0.5])
+    inner = np.sqrt(v[:-1] * v[1:])
+    # Mirror the nearest inner edge about the outer centre (in log space), at most a factor of 2 away.
+    first = v[0] * np.clip(v[0] / inner[0], 0.5, 2.0)
+    last = v[-1] * np.clip(v[-1] / inner[-1], 0.5, 2.0)
+    return np.concatenate([[first], inner, [last]])
+
+
 def plot_speedup_map(contexts: Sequence[int], bandwidths_gbps: Sequence[float], speedup, *, ax=None,
                      title: str = "Speedup of parallel prefill over one process") -> Figure:
     """A map of speedup (one process's TTFT / the parallel TTFT) over context x bandwidth.
@@ -382,15 +404,21 @@ def plot_speedup_map(contexts: Sequence[int], bandwidths_gbps: Sequence[float], 
     if values.shape != (len(contexts), len(bandwidths_gbps)):
         raise ValueError(f"speedup has shape {values.shape}, expected (contexts, bandwidths) = "
                          f"({len(contexts)}, {len(bandwidths_gbps)})")
+    x_edges = _log_cell_edges(bandwidths_gbps, "bandwidths_gbps")
+    y_edges = _log_cell_edges(contexts, "contexts")
     fig, ax = _new_axes(ax, figsize=(6, 4.5))
-    lo, hi = min(values.min(), 0.99), max(values.max(), 1.01)
-    mesh = ax.pcolormesh(bandwidths_gbps, contexts, values, shading="nearest", cmap="RdYlGn",
-                         norm=TwoSlopeNorm(vcenter=1.0, vmin=lo, vmax=hi))
-    fig.colorbar(mesh, ax=ax, label="speedup (x)")
-    if values.min() < 1 < values.max():
-        ax.contour(bandwidths_gbps, contexts, values, levels=[1.0], colors="black", linewidths=1.5)
     ax.set_xscale("log")
     ax.set_yscale("log", base=2)
+    lo, hi = min(values.min(), 0.99), max(values.max(), 1.01)
+    # Cell edges halfway between neighbours in log space (geometric means): on log axes,
+    # shading="nearest" would put the first edge at a linear midpoint, possibly <= 0.
+    mesh = ax.pcolormesh(x_edges, y_edges, values, shading="flat", cmap="RdYlGn",
+                         norm=TwoSlopeNorm(vcenter=1.0, vmin=lo, vmax=hi))
+    fig.colorbar(mesh, ax=ax, label="speedup (x)")
+    if values.min() < 1 < values.max() and min(values.shape) > 1:
+        ax.contour(bandwidths_gbps, contexts, values, levels=[1.0], colors="black", linewidths=1.5)
+    ax.set_xlim(min(x_edges[0], x_edges[-1]), max(x_edges[0], x_edges[-1]))
+    ax.set_ylim(min(y_edges[0], y_edges[-1]), max(y_edges[0], y_edges[-1]))
     ax.set_xlabel("link bandwidth (GB/s)")
     ax.set_ylabel("context (tokens)")
     ax.set_title(title, fontsize=10)
