@@ -22,6 +22,7 @@ import pytest
 
 from toyllm import answers
 from toyllm.grading import GradeReport, grade, load_exercise, make_stub, resolve_impl, sync
+from toyllm.grading.launcher import namespaces_work
 from toyllm.grading.sandbox import sandbox_user
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -450,6 +451,34 @@ def test_the_grader_writes_no_results_file_unless_asked():
     assert parser.parse_args([]).results is None
 
 
+def test_messages_are_whole_and_wrapped_and_an_unwritten_exercise_shows_its_hint():
+    from toyllm.grading.report import TestResult, explain
+
+    long = "expected (1, 2, 40, 16) (batch, kv heads, every token of the context, head_dim) " * 5 + "THE-END"
+    shown = explain(TestResult(name="Exercise 4.2: t", nodeid="n", exercise="4.2", score=0, max_score=1,
+                               status="failed", output=long))
+    assert "THE-END" in shown and all(len(line) <= 100 for line in shown.splitlines()), shown
+    assert " ".join(shown.split()) == " ".join(long.split())
+    stub = ('NotImplementedError: Exercise 3.1: implement matmul_intensity (idea: flops over bytes moved)'
+            '\n  at ex03_rooflines.py, line 40')
+    shown = explain(TestResult(name="Exercise 3.1: t", nodeid="n", exercise="3.1", score=0, max_score=1,
+                               status="failed", output=stub))
+    assert shown.strip() == "not written yet: Exercise 3.1: implement matmul_intensity (idea: flops over bytes moved)"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_check_prints_the_same_words_as_the_command_line_and_returns_nothing(capsys):
+    from toyllm.grading import check
+
+    assert check("3.1", impl="exercises") is None
+    printed = capsys.readouterr().out
+    assert "not written yet: Exercise 3.1: implement matmul_intensity (idea:" in printed, printed
+    assert "Exercise 3.1: 0 / 2 points" in printed
+    report = grade("exercises", only="3.1")
+    assert "not written yet: Exercise 3.1: implement matmul_intensity (idea:" in report.table()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_deadlocking_step_loses_its_points_and_leaves_no_process(tmp_path):
@@ -576,12 +605,88 @@ def test_hidden_tests_never_show_their_names_messages_or_prints(tmp_path):
     assert "a hidden test of Exercise 3.3 [failed]" in shown["output"], shown["output"]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_sigterm_to_the_grader_ends_every_process_it_started(tmp_path):
+CONTAINED = pytest.mark.skipif(sandbox_user() is None or not namespaces_work(),
+                               reason="processes and temporary files are contained only when the grader runs as "
+                                      "root on a kernel that allows PID and mount namespaces")
+
+
+def _escaped(watch_s: float = 2.0) -> list[str]:
+    """Command lines of the ``escaping`` fixture's processes seen anywhere on the machine within ``watch_s``.
+
+    Each generation lives about 10 ms, so one look at the process table can miss them all: keep looking.
+    """
     import psutil
 
-    submission = make_submission(tmp_path / "sub", "hanging")
+    seen: list[str] = []
+    deadline = time.monotonic() + watch_s
+    while not seen and time.monotonic() < deadline:
+        seen = [" ".join(p.info["cmdline"]) for p in psutil.process_iter(["cmdline"])
+                if "toyllm-escape-marker" in (p.info["cmdline"] or [])]
+    return seen
+
+
+def _left_behind() -> list[str]:
+    """Files the ``escaping`` fixture wrote that outlived its sandbox, and sandbox scratch folders."""
+    found = []
+    for folder in ("/tmp", "/var/tmp", "/dev/shm", tempfile.gettempdir()):
+        found += [str(p) for p in Path(folder).glob("toyllm-escape-marker*")]
+    return sorted(set(found))
+
+
+def _scratch_folders() -> set[str]:
+    return {str(p) for p in Path(tempfile.gettempdir()).glob("toyllm-sandbox-*")} | \
+        {str(p) for p in Path(tempfile.gettempdir()).glob("toyllm-grade-*")}
+
+
+@CONTAINED
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_process_that_keeps_reforking_dies_with_its_sandbox_and_temporary_files_vanish(tmp_path):
+    """The submission starts a process that forks a new generation every 10 ms in a new session, and fills
+    /tmp, /var/tmp and /dev/shm: nothing of it is left once grading is over, and each folder took only
+    what its size limit allows."""
+    scratch_before = _scratch_folders()
+    submission = make_submission(tmp_path / "sub", "escaping")
+    report = grade(submission, only="3.1")
+    assert report.by_exercise()["3.1"][0] == 0
+    filled = dict(re.findall(r"(/[\w/]+)=(\d+)MiB", next(t.output for t in report.tests if "fill-report" in t.output)))
+    assert set(filled) == {"/tmp", "/var/tmp", "/dev/shm"}, filled
+    assert all(int(mib) <= 256 for mib in filled.values()), filled        # the private folders' size limit
+    time.sleep(1)
+    assert not _escaped()
+    assert not _left_behind()
+    assert _scratch_folders() <= scratch_before
+    again = grade("solutions", only="3.1")                                   # the next student is untouched
+    assert again.by_exercise()["3.1"] == (2, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("fixture,why", [
+    ("forging", "kvr_layer"),                       # toyllm's own step, reached by a computed name
+    ("patching", "changed toyllm's own code"),      # the harness patched so the engine skips the step
+])
+def test_an_engine_step_cannot_be_forged(tmp_path, fixture, why):
+    submission = make_submission(tmp_path / "sub", fixture)
+    report = grade(submission, only="5.2")
+    assert report.by_exercise()["5.2"] == (0, 3), [t.output[:300] for t in report.tests]
+    assert all(why in t.output for t in report.tests if t.exercise == "5.2"), [t.output[:300] for t in report.tests]
+    assert report.by_exercise()["5.1"] == (4, 4) if "5.1" in report.by_exercise() else True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fixture", ["hanging", "escaping"])
+def test_sigterm_to_the_grader_ends_every_process_it_started(tmp_path, fixture):
+    """SIGTERM while a submission's call hangs: the grader, its test process, the sandbox and whatever the
+    submission started (``escaping`` keeps re-forking in new sessions) are gone, and so are the scratch
+    folders."""
+    import psutil
+
+    if fixture == "escaping" and (sandbox_user() is None or not namespaces_work()):
+        pytest.skip("a re-forking process is contained only as root with PID namespaces")
+    scratch_before = _scratch_folders()
+    submission = make_submission(tmp_path / "sub", fixture)
     proc = subprocess.Popen([sys.executable, "-m", "toyllm", "grade", "--impl", str(submission), "--only", "3.2",
                              "--timeout", "60"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -594,13 +699,18 @@ def test_sigterm_to_the_grader_ends_every_process_it_started(tmp_path):
             time.sleep(0.5)
         else:
             pytest.fail("the grader never started its sandbox within 60 s")
-        time.sleep(2)
+        time.sleep(3)
         started = psutil.Process(proc.pid).children(recursive=True)
         assert len(started) >= 2, "expected the pytest process and the sandbox"
+        if fixture == "escaping":
+            assert _escaped(), "the re-forking process never started"
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
         gone, alive = psutil.wait_procs(started, timeout=10)
         assert not alive, [p.cmdline() for p in alive]
+        time.sleep(1)
+        assert not _escaped()
+        assert _scratch_folders() <= scratch_before
     finally:
         proc.kill()
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ from pathlib import Path
 # Which implementation the marked functions call: "instructor" runs the model answers of solutions/,
 # "student" the student's exercises/ (the student edition's builder rewrites this line).
 EDITION = "instructor"
+ANSWERS_ENV = "TOYLLM_ANSWERS"     # where the model answers are, if not solutions/ (the grader's sandbox sets it)
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 _NUMBER = re.compile(r"\d+\.\d+")
@@ -131,7 +133,10 @@ def _entry(number: str) -> tuple[str, str]:
 
 
 def _solutions_dir() -> Path:
-    """solutions/ beside the package (an editable install in the checkout), else the course found from here."""
+    """$TOYLLM_ANSWERS, else solutions/ beside the package (an editable install in the checkout), else the course
+    found from here."""
+    if os.environ.get(ANSWERS_ENV):
+        return Path(os.environ[ANSWERS_ENV])
     beside = PACKAGE_DIR.parent / "solutions"
     if beside.is_dir():
         return beside
@@ -158,6 +163,9 @@ def _stubs_in(path: str, mtime_ns: int, size: int) -> frozenset[str]:
 
 
 def _not_written(number: str, feature: str, name: str, module) -> str:
+    if os.environ.get(ANSWERS_ENV) and EDITION == "instructor":        # the grader's sandbox, grading ``number``
+        return (f"toyllm's own {name} is not there while Exercise {number} is graded: the exercise must be "
+                f"your own code")
     path = Path(getattr(module, "__file__", "exercises"))
     shown = f"{path.parent.name}/{path.name}"
     return f"{feature} needs Exercise {number}: write {name} in {shown}"

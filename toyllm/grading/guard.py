@@ -16,6 +16,14 @@
    submission's functions of the *other* exercises of the same lesson are
    swapped for the model answers, so a mistake in 3.3 costs only 3.3's
    points even when 3.5 calls it.
+
+3. **Hands off the framework.** ``framework_state()`` records every
+   function, class and module that toyllm's imported modules bind (and the
+   code object of each function) before the submission is imported;
+   ``tampered(state)`` names what has changed since. The sandbox and the
+   engine's workers check it around every call, so a submission that
+   patches the harness, the engine or the guard itself scores zero
+   instead of steering what judges it.
 """
 from __future__ import annotations
 
@@ -35,6 +43,41 @@ _DEF = re.compile(r"^([ \t]*)(?:async )?def (\w+)\s*\(", re.MULTILINE)
 
 class IndependenceError(Exception):
     """The submission called toyllm's own implementation of the exercise it is graded on."""
+
+
+def framework_state() -> dict[str, tuple]:
+    """{"toyllm.module:name" or "...:Class.attr": (object, its code object or None)} for toyllm's imported modules."""
+    state: dict[str, tuple] = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "toyllm" or name.startswith("toyllm.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if attr == _GUARD_NAME or not (callable(value) or isinstance(value, types.ModuleType)):
+                continue
+            state[f"{name}:{attr}"] = (value, getattr(value, "__code__", None))
+            if isinstance(value, type) and value.__module__ == name:
+                for key, member in list(vars(value).items()):
+                    member = getattr(member, "__func__", member)
+                    if isinstance(member, types.FunctionType):
+                        state[f"{name}:{attr}.{key}"] = (member, member.__code__)
+    return state
+
+
+def tampered(state: dict[str, tuple]) -> list[str]:
+    """What of ``state`` (``framework_state()``) has been rebound or has had its code replaced since."""
+    now = framework_state()
+    changed = []
+    for key, (value, code) in state.items():
+        current = now.get(key)
+        if current is None or current[0] is not value or (code is not None and value.__code__ is not code):
+            changed.append(key.replace(":", "."))
+    return sorted(changed)
+
+
+def tampering_message(exercise: str | None, changed: list[str]) -> str:
+    shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+    return (f"Exercise {exercise or '?'}: the submission changed toyllm's own code ({shown}), which runs and "
+            f"checks the graded calls: this exercise scores 0")
 
 
 def exercise_functions(reference_source: str) -> dict[str, list[str]]:
@@ -93,6 +136,12 @@ def _install(spec: str) -> None:
     stub = compile(f"lambda *args, **kwargs: {_GUARD_NAME}({spec!r}, args, kwargs)", "<toyllm guard>", "eval")
     fn.__code__ = eval(stub, {}).__code__
     _installed[spec] = (fn, original_code, real)
+
+
+def current() -> tuple[str | None, tuple[str, ...], tuple[str, ...]]:
+    """(exercise, forbidden specs, submission files) of the rules in force on this thread (None, (), ())."""
+    return (getattr(_state, "exercise", None) if getattr(_state, "active", None) is not None else None,
+            tuple(sorted(getattr(_state, "active", None) or ())), tuple(sorted(getattr(_state, "files", ()))))
 
 
 def _uninstall_all() -> None:

@@ -11,13 +11,22 @@ graded test then checks against references of its own::
     draws = sandboxed("toyllm.grading.harness:repeat", ex01.sample_next_token, 400, logits, seed=0, top_k=3)
 
 A helper runs inside the submission's process, so it checks nothing
-itself: every verdict is the graded test's, in the trusted process.
+itself: every verdict is the graded test's, in the trusted process. What
+it can do there is keep the grading rules in force where the graded test
+cannot see: ``parallel_prefill`` runs a submitted step in the engine's
+worker processes through ``guarded_step``, which applies ``guard``'s rules
+to every call (toyllm's own answers and shortcuts are off limits, however
+they are reached) and checks that toyllm's code was not changed.
 """
 from __future__ import annotations
 
 import inspect
+import json
+import os
 
 import torch
+
+GUARDED_STEP_ENV = "TOYLLM_GRADE_STEP"      # what ``guarded_step`` runs, under which rules (JSON)
 
 
 def repeat(fn, n: int, *args, seed: int = 0, **kwargs) -> list:
@@ -59,20 +68,63 @@ def traced(fn, model, *args, **kwargs) -> dict:
     return {"value": value, "calls": calls}
 
 
-_pools: dict[int, object] = {}
+_pools: dict[tuple, object] = {}
 
 
-def parallel_prefill(spec, ids, method: str, p: int, chunks, **kwargs):
-    """``toyllm.parallel.parallel_prefill`` with a pool of ``p`` workers kept for the whole lesson."""
+def parallel_prefill(spec, ids, method: str, p: int, chunks, step=None, **kwargs):
+    """``toyllm.parallel.parallel_prefill`` with a pool of ``p`` workers kept for the whole exercise.
+
+    A submitted ``step`` runs in the workers through ``guarded_step``,
+    under the rules the graded call runs under here.
+    """
     from toyllm.launch import WorkerPool
     from toyllm.parallel import parallel_prefill as run
+    from toyllm.parallel.runner import step_reference
 
-    if p not in _pools or _pools[p].closed:
-        _pools[p] = WorkerPool(p, timeout_s=60)
-    result = run(spec, ids, method, p, chunks, pool=_pools[p], **kwargs)
+    from .guard import current
+
+    env = {}
+    if step is not None:
+        exercise, forbidden, files = current()
+        env[GUARDED_STEP_ENV] = json.dumps({"step": step_reference(step), "exercise": exercise,
+                                            "forbidden": list(forbidden), "files": list(files)})
+        step = f"{__name__}:guarded_step"
+    key = (p, env.get(GUARDED_STEP_ENV))
+    if key not in _pools or _pools[key].closed:
+        _pools[key] = WorkerPool(p, timeout_s=60, env=env)
+    result = run(spec, ids, method, p, chunks, pool=_pools[key], step=step, **kwargs)
     if result.kv_cache is not None:                    # plain (keys, values) pairs per layer travel back
         result.kv_cache = [(k, v) for k, v in result.kv_cache]
     return result
+
+
+_guarded: dict = {}
+
+
+def guarded_step(layer, x, pos, comm, attention):
+    """The submitted per-layer step named in ``$TOYLLM_GRADE_STEP``, called under the grading rules.
+
+    Runs in an engine worker. The framework's state is recorded before the
+    submitted file is first imported there, and checked after every call.
+    """
+    from toyllm.parallel.runner import resolve_step
+
+    from . import guard
+
+    if not _guarded:
+        for name in ("toyllm.parallel", "toyllm.launch", "toyllm.answers", __name__):
+            __import__(name)
+        _guarded["state"] = guard.framework_state()
+        _guarded["rules"] = json.loads(os.environ[GUARDED_STEP_ENV])
+        _guarded["fn"] = resolve_step(_guarded["rules"]["step"])
+    rules, fn = _guarded["rules"], _guarded["fn"]
+    files = [*rules["files"], getattr(getattr(fn, "__code__", None), "co_filename", "")]
+    with guard.rules(rules["exercise"], rules["forbidden"], files):
+        out = fn(layer, x, pos, comm, attention)
+    changed = guard.tampered(_guarded["state"])
+    if changed:
+        raise guard.IndependenceError(guard.tampering_message(rules["exercise"], changed))
+    return out
 
 
 def close_pools() -> None:

@@ -2,17 +2,29 @@
 
 Run as a script (``python launcher.py FD REFERENCE PARENT_PID LIMITS USER
 HIDE``) by ``sandbox.Sandbox``, with the grader's rights; it imports only
-the standard library, so it starts fast. As root it
+the standard library, so it starts fast. As root, where the kernel allows
+namespaces, it
 
-1. makes a private mount namespace (when the kernel allows it) in which
-   the folders to hide (the course's tests, the hidden tests, the grader's
-   own folder) are empty, and closed folders on the way to Python (such as
-   a ``/root`` of mode 0700 holding pyenv) are opened with only the entries
-   Python needs;
-2. drops to the sandbox user (no supplementary groups);
-3. starts over as that user: ``server.serve`` sets the limits and serves.
+1. makes a new PID namespace and a private mount namespace. The first
+   process in it (PID 1, the namespace's init) only reaps orphans; the
+   sandbox runs as its child. When init ends, the kernel kills every
+   process left in the namespace, however it forked or detached, so
+   nothing a submission starts can outlive its sandbox. Init dies with the
+   launcher, and the launcher with the grader's test process;
+2. in that view: the folders to hide (the course's tests and model answers,
+   the hidden tests, the grader's own folder) are empty; closed folders on
+   the way to Python (such as a ``/root`` of mode 0700 holding pyenv) are
+   opened with only the entries Python needs; ``/tmp``, ``/var/tmp`` and
+   ``/dev/shm`` are fresh size-limited memory file systems, and so is the
+   scratch folder (a copy of what the grader put there): whatever the
+   submission writes vanishes with the namespace;
+3. drops to the sandbox user (no supplementary groups);
+4. starts over as that user: ``server.serve`` sets the limits and serves.
 
-No submitted code runs before step 3.
+Without namespaces (not root, or a kernel that refuses them) only steps
+3-4 happen (3 only as root): the grader then ends strays by walking the
+process tree (``sandbox.Sandbox.kill``), which a process that keeps
+re-forking can outrun. No submitted code runs before step 4.
 """
 from __future__ import annotations
 
@@ -22,7 +34,9 @@ import stat
 import sys
 from pathlib import Path
 
-_CLONE_NEWNS = 0x00020000
+_CLONE_NEWNS, _CLONE_NEWPID = 0x00020000, 0x20000000
+_PR_SET_PDEATHSIG = 1
+TEMP_SIZE = "256m"          # each private /tmp, /var/tmp, /dev/shm and the scratch folder
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
 _MNT_DETACH = 2
@@ -59,13 +73,13 @@ _namespace_probe: bool | None = None
 
 
 def namespaces_work() -> bool:
-    """Can this (root) process make a private mount namespace? Tried once, in a throwaway child."""
+    """Can this (root) process make private mount and PID namespaces? Tried once, in a throwaway child."""
     global _namespace_probe
     if _namespace_probe is None:
         pid = os.fork()
         if pid == 0:
             try:
-                os._exit(0 if libc().unshare(_CLONE_NEWNS) == 0 else 1)
+                os._exit(0 if libc().unshare(_CLONE_NEWNS | _CLONE_NEWPID) == 0 else 1)
             except BaseException:
                 os._exit(1)
         _namespace_probe = os.waitpid(pid, 0)[1] == 0
@@ -81,16 +95,13 @@ def _mount(source, target, fstype, flags, data=None) -> None:
 
 
 def _private_view(hide: list[Path], scratch: Path) -> None:
-    """In a new mount namespace: empty the folders to hide; open closed folders on the way to Python.
+    """In the new mount namespace: empty the folders to hide; open closed folders on the way to Python.
 
     A closed folder such as /root (mode 0700) is covered by an empty
     tmpfs that anyone may enter, holding only the entries Python needs
     (bound back from the original), so the rest stays out of sight.
     """
     c = libc()
-    if c.unshare(_CLONE_NEWNS) != 0:
-        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed")
-    _mount("none", "/", None, _MS_REC | _MS_PRIVATE)
     for i, (folder, entries) in enumerate(sorted(closed_folders().items())):
         stage = scratch / f".stage{i}"
         stage.mkdir()
@@ -108,12 +119,127 @@ def _private_view(hide: list[Path], scratch: Path) -> None:
 
 
 
+def _kept_paths() -> list[Path]:
+    """Folders the sandbox's Python must still see if they sit under a folder that gets a fresh tmpfs."""
+    import sysconfig
+
+    paths = {Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix), Path(__file__).resolve().parents[1],
+             Path(sys.executable).absolute().parent, Path(sysconfig.get_paths()["stdlib"]).resolve()}
+    paths |= {Path(p).resolve() for p in sys.path if p and os.path.isdir(p)} - {Path.cwd().resolve()}
+    paths = {p for p in paths if p.is_dir()}
+    return sorted(p for p in paths if not any(q != p and q in p.parents for q in paths))
+
+
+def _fresh_tmpfs(folder: Path, keep: list[Path]) -> None:
+    """Cover ``folder`` with an empty, size-limited tmpfs, binding back the kept paths that lie inside it."""
+    inside = [p for p in keep if folder in p.parents]
+    handles = [os.open(p, os.O_PATH) for p in inside]          # opened while they are still in sight
+    _mount("tmpfs", folder, "tmpfs", _MS_NOSUID | _MS_NODEV, f"mode=1777,size={TEMP_SIZE}")
+    for path, fd in zip(inside, handles):
+        path.mkdir(parents=True)
+        _mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
+        os.close(fd)
+
+
+def _copy_tree(src_fd: int, dst: Path, uid: int, gid: int) -> None:
+    """Copy the folder open as ``src_fd`` into ``dst`` (files and folders only), owned by uid:gid."""
+    for entry in os.scandir(src_fd):
+        if entry.is_dir(follow_symlinks=False):
+            (dst / entry.name).mkdir()
+            sub = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=src_fd)
+            try:
+                _copy_tree(sub, dst / entry.name, uid, gid)
+            finally:
+                os.close(sub)
+        elif entry.is_file(follow_symlinks=False):
+            src = os.open(entry.name, os.O_RDONLY, dir_fd=src_fd)
+            with os.fdopen(src, "rb") as f:
+                (dst / entry.name).write_bytes(f.read())
+        else:
+            continue
+        os.chown(dst / entry.name, uid, gid)
+
+
+def _private_temp(scratch: Path, scratch_fd: int, uid: int, gid: int) -> Path:
+    """Fresh /tmp, /var/tmp and /dev/shm that vanish with the namespace, the scratch folder copied into
+    the new /tmp (its path there is returned); cd into it."""
+    keep = _kept_paths()
+    for folder in (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm")):
+        if folder.is_dir() and not folder.is_symlink():
+            _fresh_tmpfs(folder, keep)
+    inside = Path("/tmp") / scratch.name
+    inside.mkdir(mode=0o700)
+    os.chown(inside, uid, gid)
+    _copy_tree(scratch_fd, inside, uid, gid)
+    os.close(scratch_fd)
+    os.chdir(inside)
+    return inside
+
+
+def _mirror(pid: int) -> None:
+    """Wait for ``pid`` and end this process the same way (exit code or signal)."""
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except ChildProcessError:
+            os._exit(1)
+    if os.WIFSIGNALED(status):
+        import signal
+
+        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
+def _init(server: int) -> None:
+    """PID 1 of the namespace: reap every orphan; when the sandbox ends, end too (the kernel kills the rest)."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            os._exit(1)
+        if pid == server:
+            os._exit(os.waitstatus_to_exitcode(status) & 0xFF if os.WIFEXITED(status) else 1)
+
+
+def _contain(fd: int, hide: list[Path], uid: int, gid: int) -> Path:
+    """Steps 1-2 of the module docstring; returns (the scratch folder's new path) only in the process that
+    becomes the sandbox."""
+    scratch = Path.cwd()
+    scratch_fd = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY)
+    if libc().unshare(_CLONE_NEWNS | _CLONE_NEWPID) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS | CLONE_NEWPID) failed")
+    child = os.fork()
+    if child:                           # outside the namespace: stand in for the sandbox until it ends
+        os.close(fd)                    # the grader must see the socket close when the sandbox dies
+        _mirror(child)
+    libc().prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0)            # the launcher died: init goes, and the namespace
+    _mount("none", "/", None, _MS_REC | _MS_PRIVATE)
+    _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)   # this namespace's processes only
+    _private_view(hide, scratch)
+    inside = _private_temp(scratch, scratch_fd, uid, gid)
+    server = os.fork()
+    if server:
+        os.close(fd)
+        _init(server)
+    libc().prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0)
+    return inside
+
+
 def main() -> None:
     fd, reference, parent_pid, limits, user, hide = sys.argv[1:7]
     if user != "-" and os.geteuid() == 0:
         uid, gid = (int(x) for x in user.split(","))
         if namespaces_work():
-            _private_view([Path(p) for p in hide.split(os.pathsep) if p], Path.cwd())
+            old = str(Path.cwd())
+            new = str(_contain(int(fd), [Path(p) for p in hide.split(os.pathsep) if p], uid, gid))
+            parent_pid = str(os.getppid())         # the namespace's init
+            # The same files under their new path: what pointed into the scratch folder points there.
+            reference = reference.replace(old, new, 1)
+            for name, value in list(os.environ.items()):
+                if value.startswith(old):
+                    os.environ[name] = new + value[len(old):]
         os.setgroups([])
         os.setgid(gid)
         os.setuid(uid)

@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 
 from ..supervise import die_with_parent, signal_group
-from .course import COURSE_ENV, course_root, grading_tests_dir
+from .course import COURSE_ENV, course_root, grading_tests_dir, solutions_dir
 from .impl import IMPL_ENV
 from .outcome import outcome, read_log
 from .plugin import EXERCISES_ENV, LESSON_ENV, LOG_ENV
 from .report import TestResult
-from .sandbox import HIDE_ENV, MEMORY_ENV, SANDBOX_ENV, TIMEOUT_ENV
+from .sandbox import HIDE_ENV, MEMORY_ENV, SANDBOX_ENV, SCRATCH_ENV, TIMEOUT_ENV
 
 
 class GradingError(RuntimeError):
@@ -55,13 +55,15 @@ def run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env:
     cmd = [sys.executable, "-m", "pytest", *map(str, files), *([str(extra_dir)] if extra_dir else []),
            "-p", "toyllm.grading.plugin", "-p", "no:cacheprovider", f"--timeout={timeout_s:g}", "-q", "--no-header",
            "--import-mode=importlib", f"--rootdir={tmp}", "-c", os.devnull, "-o", "console_output_style=classic"]
+    hide = [grading_tests_dir().parent, extra_dir_original, tmp]
+    if (course_root() / "solutions").is_dir():
+        hide.append(solutions_dir())                      # the sandbox gets its own copies, minus the graded answer
     env = dict(os.environ, **{IMPL_ENV: impl_env, LOG_ENV: str(log), LESSON_ENV: str(lesson),
                               EXERCISES_ENV: ",".join(sorted(exercises or ())), "PYTHONHASHSEED": "0",
                               "PYTHONDONTWRITEBYTECODE": "1",      # no __pycache__ beside a submission
                               COURSE_ENV: str(course_root()), SANDBOX_ENV: "1", TIMEOUT_ENV: f"{timeout_s:g}",
-                              MEMORY_ENV: str(memory_mb),
-                              HIDE_ENV: os.pathsep.join(str(p) for p in (grading_tests_dir().parent, extra_dir_original,
-                                                                         tmp) if p is not None)})
+                              MEMORY_ENV: str(memory_mb), SCRATCH_ENV: str(tmp),
+                              HIDE_ENV: os.pathsep.join(str(p) for p in hide if p is not None)})
     with open(out, "wb") as sink:
         proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=sink, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)

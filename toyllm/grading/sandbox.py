@@ -9,8 +9,11 @@ sandbox process
 - runs as the user ``nobody`` when the grader runs as root (as in a
   Gradescope container or CI), else as the grader's user;
 - has its own process group, a scratch folder as its working directory and
-  home, a copy of the submission's files, the model answers (for the other
-  exercises, see ``guard``) and an environment with nothing but the basics;
+  home, a copy of the submission's files, the model answers of every
+  exercise *but the one being graded* (for the others, see ``guard``: the
+  sandbox starts afresh for each exercise, and toyllm's own marked answers
+  resolve to these copies, so no route, however computed, reaches the
+  answer being graded) and an environment with nothing but the basics;
 - gets CPU-time, memory, file-size and process-count limits;
 - cannot reach the graded tests, the grader's log or the results file (they
   live in the grader's private folder, which ``nobody`` cannot open).
@@ -19,9 +22,11 @@ A call that does not return before the test's time is up stops the sandbox
 (``SubmissionTimeout``, named after the call); so does a crash
 (``SubmissionCrash``). The next call starts a fresh sandbox. A module whose
 import timed out or failed is not imported again: one timeout, not one per
-test. Every process the submission started ends with the sandbox: the
-pytest process is a child subreaper, so even processes that detached
-themselves come back to it and are ended.
+test. Every process the submission started ends with the sandbox: as root,
+the sandbox is the only child of the init of its own PID namespace
+(``launcher``), which dies with it and takes every process in the
+namespace along; elsewhere the pytest process is a child subreaper, so
+even processes that detached themselves come back to it and are ended.
 
 Outside the grader (plain ``pytest tests/grading``) the same tests run the
 submission in-process under the same rules (``LocalModule``), which keeps
@@ -43,7 +48,8 @@ import time
 from pathlib import Path
 
 from . import guard, wire
-from ..supervise import become_subreaper, describe_exit, signal_group
+from ..answers import ANSWERS_ENV
+from ..supervise import become_subreaper, describe_exit, die_with_parent, signal_group
 from .launcher import closed_folders, namespaces_work
 
 SANDBOX_ENV = "TOYLLM_GRADE_SANDBOX"          # "1" in the grader's pytest processes
@@ -51,6 +57,7 @@ TIMEOUT_ENV = "TOYLLM_GRADE_TIMEOUT"          # seconds per test (the grader's -
 MEMORY_ENV = "TOYLLM_GRADE_MEMORY_MB"         # address-space limit of the sandbox (MiB)
 USER_ENV = "TOYLLM_SANDBOX_USER"              # who runs the submission when the grader is root
 HIDE_ENV = "TOYLLM_GRADE_HIDE"                # folders the submission must not see (os.pathsep-separated)
+SCRATCH_ENV = "TOYLLM_GRADE_SCRATCH"          # the grader's private folder, where sandbox scratch folders go
 DEFAULT_MEMORY_MB = 8192
 CPU_LIMIT_S = 900                             # CPU seconds per sandbox process
 FILE_LIMIT_BYTES = 256 * 2**20
@@ -148,6 +155,7 @@ class Sandbox:
         self._output = None                   # read end of the sandbox's stdout and stderr
         self.sock: socket.socket | None = None
         self.scratch: Path | None = None
+        self.exercise: str | None = None       # the exercise whose model answer the sandbox lacks
         self.loaded: dict[str, dict] = {}          # module -> reply of its load
         self.failed: dict[str, Exception] = {}     # module -> why it cannot be loaded (not retried)
         self._others: set[int] = set()
@@ -155,22 +163,31 @@ class Sandbox:
     # -- process management
 
     def _start(self) -> None:
-        self.scratch = Path(tempfile.mkdtemp(prefix="toyllm-sandbox-"))
+        from .stubs import make_stub
+
+        # In a namespace the launcher copies the scratch folder into the sandbox's own /tmp, so it can stay in
+        # the grader's private folder (removed with it, even after a SIGKILL of this process); otherwise the
+        # sandbox user must reach it.
+        private = self.user is None or namespaces_work()
+        parent = os.environ.get(SCRATCH_ENV) if private else None
+        self.scratch = Path(tempfile.mkdtemp(prefix="toyllm-sandbox-", dir=parent))
         submission, reference = self.scratch / "submission", self.scratch / "reference"
         submission.mkdir()
         reference.mkdir()
         for path in self.impl_dir.glob("*.py"):
             shutil.copyfile(path, submission / path.name)
+        self.exercise = context.exercise
         if self.reference_dir is not None:
+            only = {self.exercise} if self.exercise else None      # outside a test: no answer at all
             for path in Path(self.reference_dir).glob("ex*.py"):
-                shutil.copyfile(path, reference / path.name)
+                (reference / path.name).write_text(make_stub(path.read_text(), only=only))
         if self.user is not None:
             for path in [self.scratch, *self.scratch.rglob("*")]:
                 os.chown(path, *self.user)
         parent, child = socket.socketpair()
         env = {"PATH": os.defpath, "HOME": str(self.scratch), "TMPDIR": str(self.scratch), "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "PYTHONNOUSERSITE": "1",
-               "OMP_NUM_THREADS": "1", "TOYLLM_IMPL": str(submission)}
+               "OMP_NUM_THREADS": "1", "TOYLLM_IMPL": str(submission), ANSWERS_ENV: str(reference)}
         for name in ("TOYLLM_FAST", "LD_LIBRARY_PATH"):        # the lesson's size switch; where libpython is
             if name in os.environ:
                 env[name] = os.environ[name]
@@ -190,7 +207,7 @@ class Sandbox:
         try:
             self.proc = subprocess.Popen(cmd, cwd=self.scratch, env=env, pass_fds=(child.fileno(),),
                                          stdin=subprocess.DEVNULL, stdout=write_only, stderr=write_only,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=die_with_parent)
         finally:
             os.close(write_only)
         child.close()
@@ -239,9 +256,12 @@ class Sandbox:
             if printed:
                 sys.stdout.write(printed.decode(errors="replace"))
 
-    def _request(self, message: dict, what: str, timeout_s: float) -> dict:
+    def _request(self, message: dict, what: str) -> dict:
+        if self.proc is not None and self.exercise != context.exercise:
+            self.kill()                # it holds the model answer of the exercise now graded: start afresh
         if self.proc is None:
             self._start()
+        timeout_s = _time_left()       # what is left once the sandbox is up
         try:
             self.sock.settimeout(timeout_s)
             wire.send(self.sock, wire.to_sandbox(message))
@@ -271,7 +291,7 @@ class Sandbox:
         if name in self.loaded:
             return self.loaded[name]
         try:
-            reply = self._request({"op": "load", "module": name}, f"importing {name}", _time_left())
+            reply = self._request({"op": "load", "module": name}, f"importing {name}")
         except (SubmissionTimeout, SubmissionCrash) as e:
             self.failed[name] = type(e)(str(e).replace(f"importing {name}", f"importing your {name} file"))
             raise self.failed[name] from None
@@ -284,7 +304,7 @@ class Sandbox:
     def call(self, target: tuple, args: tuple, kwargs: dict, what: str):
         message = {"op": "call", "target": target, "args": args, "kwargs": kwargs,
                    "exercise": context.exercise, "forbidden": list(context.forbidden)}
-        reply = self._request(message, what, _time_left())
+        reply = self._request(message, what)
         for violation in reply.get("violations", ()):
             if context.on_violation is not None:
                 context.on_violation(context.exercise, violation)

@@ -10,7 +10,8 @@ answers one request at a time:
   trusted harness function (``("harness", "pkg.module:function")``) under
   the grading rules of the current exercise; reply with the value, or the
   error (type, message, the submission's last line), plus any violation of
-  the independence rule.
+  the independence rule, or any change the submission made to toyllm's own
+  code (``guard.tampered``; recorded before the first submitted line runs).
 
 Nothing here is trusted by the grader: every reply is read with
 ``wire.from_sandbox``, which only rebuilds plain data.
@@ -41,11 +42,21 @@ def _error(exc: BaseException, files) -> dict:
     return {"type": type(exc).__name__, "builtin": builtin, "message": message, "where": where}
 
 
+# What the harness runs: imported before any submitted code, so their state is the framework's own.
+FRAMEWORK_MODULES = ("toyllm.grading.harness", "toyllm.launch", "toyllm.parallel", "toyllm.simulate",
+                     "toyllm.partition", "toyllm.generation", "toyllm.analysis", "toyllm.attention", "toyllm.model",
+                     "toyllm.cache", "toyllm.answers")
+
+
 def main(fd: int, reference_dir: str) -> None:
     import torch
 
     from . import guard, wire
     from .impl import exercise_file, load_exercise, resolve_impl
+
+    for name in FRAMEWORK_MODULES:
+        importlib.import_module(name)
+    framework = guard.framework_state()
 
     torch.set_grad_enabled(False)           # as in the grader's own tests
     torch.set_num_threads(1)
@@ -98,13 +109,21 @@ def main(fd: int, reference_dir: str) -> None:
                     if not module_name.startswith("toyllm."):
                         raise ValueError(f"harness functions live in toyllm, got {where[0]!r}")
                     fn = getattr(importlib.import_module(module_name), fn_name)
-                with guard.rules(request.get("exercise"), request.get("forbidden", ()), submission_files(),
-                                 swaps) as violations:
-                    try:
-                        value = fn(*request["args"], **request["kwargs"])
-                        reply = {"ok": True, "value": value}
-                    except BaseException as e:        # SystemExit included: it is the submission's answer
-                        reply = {"ok": False, "error": _error(e, submission_files())}
+                changed = guard.tampered(framework)
+                if changed:
+                    reply = {"ok": False, "error": _error(RuntimeError("toyllm was changed"), ())}
+                    violations = [guard.tampering_message(request.get("exercise"), changed)]
+                else:
+                    with guard.rules(request.get("exercise"), request.get("forbidden", ()), submission_files(),
+                                     swaps) as violations:
+                        try:
+                            value = fn(*request["args"], **request["kwargs"])
+                            reply = {"ok": True, "value": value}
+                        except BaseException as e:        # SystemExit included: it is the submission's answer
+                            reply = {"ok": False, "error": _error(e, submission_files())}
+                    changed = guard.tampered(framework)
+                    if changed:
+                        violations.append(guard.tampering_message(request.get("exercise"), changed))
                 reply["violations"] = list(violations)
             else:
                 raise ValueError(f"unknown request {request.get('op')!r}")
