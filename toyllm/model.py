@@ -145,6 +145,11 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, q_pos, k_pos, attention: AttentionFn):
         """Attention of q (B, H, T, D) over all keys k, v (B, Hkv, S, D); returns (B, T, d_model)."""
+        if q_pos.shape[-1] != q.shape[-2] or k_pos.shape[-1] != k.shape[-2]:
+            # caught here, where the names mean something, not as a broadcast error deep inside the kernel
+            raise ValueError(f"attend needs one position per query and per key: q has {q.shape[-2]} tokens and "
+                             f"q_pos {q_pos.shape[-1]} positions, k has {k.shape[-2]} tokens and k_pos "
+                             f"{k_pos.shape[-1]} positions")
         group = self.n_heads // self.n_kv_heads
         if group > 1 and not getattr(attention, "handles_gqa", False):
             # grouped-query attention for a kernel that wants H heads: copy each K/V head out to its group

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .course import grading_tests_dir
 from .impl import NAMED_IMPLS, current_impl, resolve_impl
-from .report import GradeReport, format_points
+from .report import GradeReport, explain, format_points
 from .run import GradingError, open_to_others, private_copy_of_tests, run_lesson
 from .sandbox import DEFAULT_MEMORY_MB, isolation, namespaces_work, sandbox_user
 from .selection import lesson_files, select
@@ -99,8 +99,10 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
     return report
 
 
-def check(exercise: str, impl: str | os.PathLike | None = None) -> float:
-    """Grade one exercise from a notebook cell: one line per graded test, then the points; returns them.
+def check(exercise: str, impl: str | os.PathLike | None = None) -> None:
+    """Grade one exercise from a notebook cell: one line per graded test (with the whole message of each
+    that did not pass), then the points. Returns nothing, so a notebook shows only what it printed; use
+    ``grade(only=...)`` for the numbers.
 
     ``check("2.1")`` runs just Exercise 2.1's graded tests against the
     current implementation (``TOYLLM_IMPL``, default your ``exercises/``),
@@ -109,9 +111,7 @@ def check(exercise: str, impl: str | os.PathLike | None = None) -> float:
     report = grade(impl if impl is not None else current_impl(), only=exercise)
     for t in report.tests:
         mark = "ok  " if t.status == "passed" else "FAIL"
-        why = "" if t.status == "passed" else ": " + (t.output.strip().splitlines() or [t.status])[0][:200]
-        if "NotImplementedError" in why:
-            why = ": not written yet"
-        print(f"  {mark} {t.name.split(': ', 1)[-1]} ({format_points(t.max_score)} point(s)){why}")
+        print(f"  {mark} {t.name.split(': ', 1)[-1]} ({format_points(t.max_score)} point(s))")
+        if t.status != "passed":
+            print(explain(t, indent="       "))
     print(f"Exercise {exercise}: {format_points(report.score)} / {format_points(report.max_score)} points")
-    return report.score

@@ -3,9 +3,33 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
+
+
+_STUB = re.compile(r"(?:NotImplementedError: )?(Exercise \d+\.\d+: implement \w+.*)")
+
+
+def explain(test: "TestResult", indent: str = "  ", width: int = 100) -> str:
+    """What a student reads about a test that did not pass: its whole message, wrapped to ``width`` columns.
+
+    An unwritten exercise reads "not written yet", followed by the stub's hint. The command line
+    and ``check()`` both print this, so they say the same words.
+    """
+    text = test.output.strip() or test.status
+    stub = _STUB.search(text)
+    if stub and "NotImplementedError" in text:
+        text = "not written yet: " + stub[1]
+    out = []
+    for line in text.splitlines():
+        lead = line[:len(line) - len(line.lstrip())]
+        out.append(textwrap.fill(line.strip(), width, initial_indent=indent + lead,
+                                 subsequent_indent=indent + lead + "  ", break_long_words=True,
+                                 break_on_hyphens=False) if line.strip() else "")
+    return "\n".join(out)
 
 
 def format_points(x: float) -> str:
@@ -96,8 +120,8 @@ class GradeReport:
                 if t.hidden and not show_hidden:
                     lines.append(f"  a hidden test of Exercise {t.exercise} [{t.status}]")
                     continue
-                first = t.output.strip().splitlines()[0] if t.output.strip() else t.status
-                lines.append(f"  {t.name} [{t.status}]: {first[:160]}")
+                lines.append(f"  {t.name} [{t.status}]:")
+                lines.append(explain(t, indent="    "))
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -138,6 +138,7 @@ class Chain(_Comm):
                  rng: random.Random | None = None):
         super().__init__(rank, chunks, timeline, link, rng)
         self.prefix_shape = (2, batch, n_kv_heads, sum(chunks[:rank]), head_dim)
+        self.send_shape = (batch, n_kv_heads, sum(chunks[:rank + 1]), head_dim)    # the grown prefix
         self.dtype, self.device = dtype, device
         self.has_prev, self.has_next = rank > 0, rank < len(chunks) - 1
         self._sending: list = []     # requests of the send in flight
@@ -172,6 +173,15 @@ class Chain(_Comm):
 
     # ---------------------------------------------------------------- sending
     def _message(self, k, v):
+        # The receiver's buffer has the size the partition implies; a smaller message would leave the rest
+        # of it as garbage, with no error, so the size is checked here, on the sender.
+        for label, t in (("keys", k), ("values", v)):
+            if tuple(t.shape) != self.send_shape:
+                r, s, c = self.rank, sum(self.chunks[:self.rank]), self.chunks[self.rank]
+                raise ValueError(f"rank {r}, layer {self.layer}: the {label} sent to rank {r + 1} have shape "
+                                 f"{tuple(t.shape)}, expected (batch, kv heads, s_{r} + c_{r} = {s} + {c}, "
+                                 f"head_dim) = {self.send_shape}: is the prefix you pass on the grown one "
+                                 "(what you received plus your own keys), not just your own?")
         return torch.tensor([time.perf_counter()], dtype=torch.float64), torch.stack([k, v]).contiguous()
 
     def isend(self, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -277,7 +277,8 @@ def prefill_rank(ctx: RankContext, spec: ModelSpec, ids: list[int], method: str,
             x = model.embed(ids_t)                                      # (1, c_i, d_model)
         for i, block in enumerate(model.layers):
             comm.layer = i
-            x, k, v = layer_step(_TimedBlock(block, tl, i), x, pos, comm, model.attention)
+            x, k, v = _run_step(layer_step, (_TimedBlock(block, tl, i), x, pos, comm, model.attention),
+                                rank, i, method, balance, chunks, cfg)
             cache.update(i, k, v)
         logits = None
         if rank == owner:
@@ -298,6 +299,60 @@ def prefill_rank(ctx: RankContext, spec: ModelSpec, ids: list[int], method: str,
         if decode_tokens:
             out["decoded"] = generate(model, ids, decode_tokens, cache=cache, prefilled_logits=logits).output_ids
     return out
+
+
+class StepError(RuntimeError):
+    """A per-layer step failed or returned the wrong amount of data; the message names the rank and the layer."""
+
+
+def _run_step(step: Callable, args: tuple, rank: int, layer: int, method: str, balance: str, chunks: list[int], cfg):
+    """``step(*args)`` on one rank and layer; what it returns is checked against what the method implies.
+
+    A failure inside the step is reported with the rank, the layer and the
+    step's own line, not as a shape error from deep inside a kernel.
+    """
+    name = getattr(step, "__name__", "the step")
+    where = f"rank {rank}, layer {layer}, {name}"
+    try:
+        out = step(*args)
+    except StepError:
+        raise
+    except Exception as e:
+        message = str(e).removeprefix(f"rank {rank}, layer {layer}: ")     # the engine's own errors name them
+        raise StepError(f"{where}{_step_line(step, e)}: {type(e).__name__}: {message}") from e
+    if not (isinstance(out, tuple) and len(out) == 3):
+        raise StepError(f"{where} must return (x, k, v), got {type(out).__name__}")
+    x, k, v = out
+    c, s = chunks[rank], sum(chunks[:rank])
+    if tuple(x.shape) != (1, c, cfg.d_model):
+        raise StepError(f"{where} returned hidden states of shape {tuple(x.shape)}, expected (1, c_{rank}, d_model) "
+                        f"= (1, {c}, {cfg.d_model}): one row per token of this rank")
+    expected = None
+    if method == "kvr":
+        expected = (s + c, f"s_{rank} + c_{rank} = {s} + {c} (the prefix of ranks 0..{rank - 1} and this rank's "
+                           f"own tokens)" if rank else f"c_0 = {c} (rank 0 has no prefix)",
+                    "is the prefix you pass on the grown one (what you received plus your own), not just your own?")
+    elif method == "tsp" and balance == "none":
+        expected = (sum(chunks), f"C = {sum(chunks)}, every token of the context",
+                    "did you all-gather the keys and values of every rank, in rank order?")
+    if expected is not None:
+        for label, t in (("keys", k), ("values", v)):
+            if t.dim() != 4 or t.shape[-2] != expected[0]:
+                got = t.shape[-2] if t.dim() == 4 else f"a tensor of shape {tuple(t.shape)}"
+                raise StepError(f"{where} returned {label} for {got} tokens, expected {expected[1]}: {expected[2]}")
+    return x, k, v
+
+
+def _step_line(step: Callable, error: BaseException) -> str:
+    """" (file.py, line N: code)" of the deepest frame of the step's own file in ``error``'s traceback."""
+    import traceback
+
+    source = getattr(getattr(step, "__code__", None), "co_filename", None)
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == source]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" ({Path(f.filename).name}, line {f.lineno}: {f.line})"
 
 
 def _check_step_output(cache: DynamicKVCache, context: int, cfg) -> None:
