@@ -40,7 +40,6 @@ from pathlib import Path
 # Which implementation the marked functions call: "instructor" runs the model answers of solutions/,
 # "student" the student's exercises/ (the student edition's builder rewrites this line).
 EDITION = "instructor"
-ANSWERS_ENV = "TOYLLM_ANSWERS"     # where the model answers are, if not solutions/ (the grader's sandbox sets it)
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 _NUMBER = re.compile(r"\d+\.\d+")
@@ -135,13 +134,13 @@ def _entry(number: str) -> tuple[str, str]:
 def _solutions_dir() -> Path:
     """$TOYLLM_ANSWERS, else solutions/ beside the package (an editable install in the checkout), else the course
     found from here."""
+    from .grading.course import ANSWERS_ENV, solutions_dir
+
     if os.environ.get(ANSWERS_ENV):
         return Path(os.environ[ANSWERS_ENV])
     beside = PACKAGE_DIR.parent / "solutions"
     if beside.is_dir():
         return beside
-    from .grading.course import solutions_dir
-
     return solutions_dir()
 
 
@@ -163,6 +162,8 @@ def _stubs_in(path: str, mtime_ns: int, size: int) -> frozenset[str]:
 
 
 def _not_written(number: str, feature: str, name: str, module) -> str:
+    from .grading.course import ANSWERS_ENV
+
     if os.environ.get(ANSWERS_ENV) and EDITION == "instructor":        # the grader's sandbox, grading ``number``
         return (f"toyllm's own {name} is not there while Exercise {number} is graded: the exercise must be "
                 f"your own code")

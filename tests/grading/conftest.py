@@ -90,8 +90,11 @@ def _assert_independent(fn, exercise: str) -> None:
 
 
 def _root_cause(error: Exception) -> str:
-    """The line a student needs: the last line of the failing rank's traceback (or the error itself)."""
-    text = (getattr(error, "traceback", "") or str(error)).strip()
+    """The line a student needs: the last line of the failing rank's traceback (or the error itself).
+
+    The engine reports the rank it blames first, then "other ranks also failed" with theirs.
+    """
+    text = (getattr(error, "traceback", "") or str(error)).split("\nother ranks also failed")[0].strip()
     return text.splitlines()[-1] if text else type(error).__name__
 
 

@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 
 COURSE_ENV = "TOYLLM_COURSE_DIR"
+ANSWERS_ENV = "TOYLLM_ANSWERS"     # where the model answers are, if not solutions/ (the grader's sandbox sets it)
 _PARTS = ("exercises", "tests/grading")
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from .course import grading_tests_dir
 from .impl import NAMED_IMPLS, current_impl, resolve_impl
 from .report import GradeReport, explain, format_points
-from .run import GradingError, open_to_others, private_copy_of_tests, run_lesson
+from .run import GradingError, close_standby, open_to_others, private_copy_of_tests, run_lesson
 from .sandbox import DEFAULT_MEMORY_MB, isolation, namespaces_work, sandbox_user
 from .selection import lesson_files, select
 
@@ -29,7 +29,7 @@ from .selection import lesson_files, select
 def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = None,
           extra_tests: str | os.PathLike | None = None, results_path: str | os.PathLike | None = None,
           per_test_timeout_s: float = 20, verbose: bool = False,
-          memory_limit_mb: int = DEFAULT_MEMORY_MB) -> GradeReport:
+          memory_limit_mb: int = DEFAULT_MEMORY_MB, keep_warm: bool = False) -> GradeReport:
     """Run the graded tests against ``impl`` and score them.
 
     impl: "exercises", "solutions" or a folder with a student's exNN_*.py files.
@@ -41,6 +41,8 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
     per_test_timeout_s: seconds after which a test fails as timed out.
     verbose: print one progress line per lesson.
     memory_limit_mb: address-space limit of the submission's process (MiB).
+    keep_warm: leave a trusted pytest process with a sandbox ready for the
+      next call (what ``check()`` does, so checking again is quick).
 
     One pytest subprocess per lesson, one sandbox process for the
     submission beside it. A test whose call crashed the submission's process
@@ -81,8 +83,9 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
         while pending:
             lesson = pending.pop(0)
             files = [private_local / local[lesson].name] if lesson in local else []
+            # While a lesson runs, the next one's pytest process starts (and the last, for the next call).
             results, seen_lessons = run_lesson(lesson, files, private_extra, exercises=only_exercises.get(lesson),
-                                                **settings)
+                                                warm=keep_warm or bool(pending), **settings)
             done.add(lesson)
             report.tests.extend(results)
             # Hidden tests may name a lesson without a local test file: give it its own run too.
@@ -92,6 +95,8 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
             if verbose:
                 s, m = sum(t.score for t in results), sum(t.max_score for t in results)
                 print(f"graded ex{lesson:02d}: {format_points(s)}/{format_points(m)} points, {len(results)} tests", flush=True)
+    if not keep_warm:
+        close_standby()
     report.tests.sort(key=lambda t: (t.lesson, t.hidden))
     report.execution_time_s = time.perf_counter() - start
     if results_path is not None:
@@ -108,7 +113,7 @@ def check(exercise: str, impl: str | os.PathLike | None = None) -> None:
     current implementation (``TOYLLM_IMPL``, default your ``exercises/``),
     so the notebook keeps running whatever your function does.
     """
-    report = grade(impl if impl is not None else current_impl(), only=exercise)
+    report = grade(impl if impl is not None else current_impl(), only=exercise, keep_warm=True)
     for t in report.tests:
         mark = "ok  " if t.status == "passed" else "FAIL"
         print(f"  {mark} {t.name.split(': ', 1)[-1]} ({format_points(t.max_score)} point(s))")

@@ -116,7 +116,7 @@ def guarded_step(layer, x, pos, comm, attention):
             __import__(name)
         _guarded["state"] = guard.framework_state()
         _guarded["rules"] = json.loads(os.environ[GUARDED_STEP_ENV])
-        _guarded["fn"] = resolve_step(_guarded["rules"]["step"])
+        _guarded["fn"] = guarded_step.__wrapped__ = resolve_step(_guarded["rules"]["step"])   # named in errors
     rules, fn = _guarded["rules"], _guarded["fn"]
     files = [*rules["files"], getattr(getattr(fn, "__code__", None), "co_filename", "")]
     with guard.rules(rules["exercise"], rules["forbidden"], files):

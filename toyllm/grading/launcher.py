@@ -164,8 +164,9 @@ def _private_temp(scratch: Path, scratch_fd: int, uid: int, gid: int) -> Path:
     """Fresh /tmp, /var/tmp and /dev/shm that vanish with the namespace, the scratch folder copied into
     the new /tmp (its path there is returned); cd into it."""
     keep = _kept_paths()
-    for folder in (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm")):
-        if folder.is_dir() and not folder.is_symlink():
+    # Where each one really is: on some systems /dev/shm or /var/tmp is a link (to /run/shm, to /tmp).
+    for folder in dict.fromkeys(Path(p).resolve() for p in ("/tmp", "/var/tmp", "/dev/shm")):
+        if folder.is_dir():
             _fresh_tmpfs(folder, keep)
     inside = Path("/tmp") / scratch.name
     inside.mkdir(mode=0o700)

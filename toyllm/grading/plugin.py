@@ -151,6 +151,8 @@ def pytest_runtest_setup(item):
     sandbox.context.exercise = ex
     sandbox.context.forbidden = _forbidden(ex) if ex else ()
     sandbox.context.deadline = time.monotonic() + timeout - 1.0 if timeout else None
+    later = item.session.items[item.session.items.index(item) + 1:] if item in item.session.items else []
+    sandbox.context.more_exercises = any(exercise_of(other) not in (None, ex) for other in later)
     item._toyllm_violations = []
     sandbox.context.on_violation = lambda exercise, message: _on_violation(item, exercise, message)
 

@@ -1,11 +1,14 @@
 """Running one lesson's graded tests: a trusted pytest process in the grader's private folder, watched."""
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,33 +49,112 @@ def private_copy_of_tests(tmp: Path, extra_dir: Path | None) -> tuple[Path, Path
     return local, private_extra
 
 
+_FIXED = {SANDBOX_ENV: "1", "PYTHONHASHSEED": "0",
+          "PYTHONDONTWRITEBYTECODE": "1",     # no __pycache__ beside a submission
+          "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}   # only the plugins named on the command line
+
+
+def sandbox_settings(memory_mb: int, extra_dir_original: Path | None) -> dict[str, str]:
+    """The environment of a trusted pytest process that does not change from one lesson or check to the next."""
+    hide = [grading_tests_dir().parent, extra_dir_original]
+    if (course_root() / "solutions").is_dir():
+        hide.append(solutions_dir())                      # the sandbox gets its own copies, minus the graded answer
+    return {COURSE_ENV: str(course_root()), MEMORY_ENV: str(memory_mb),
+            HIDE_ENV: os.pathsep.join(str(p) for p in hide if p is not None),
+            "TOYLLM_FAST": os.environ.get("TOYLLM_FAST", "")}
+
+
+class Standby:
+    """A trusted pytest process started ahead (``toyllm.grading.standby``), claimed by the next lesson or check.
+
+    It has imported torch, pytest and the plugin, and has a sandbox warming
+    up, before anyone knows what it will grade; it runs once. Its scratch
+    folder (``home``) is its own, removed when it is closed.
+    """
+
+    def __init__(self, settings: dict[str, str]):
+        self.settings = settings
+        self.home = Path(tempfile.mkdtemp(prefix="toyllm-standby-"))
+        env = dict(os.environ, **settings, **_FIXED, **{SCRATCH_ENV: str(self.home)})
+        self.proc = subprocess.Popen([sys.executable, "-m", "toyllm.grading.standby"], cwd=self.home, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True, preexec_fn=die_with_parent)
+        atexit.register(self.close)
+
+    def fits(self, settings: dict[str, str]) -> bool:
+        return settings == self.settings and self.proc.poll() is None
+
+    def claim(self, args: list[str], env: dict[str, str], cwd: Path, out: Path) -> subprocess.Popen:
+        """Run ``pytest args`` with ``env`` added, in ``cwd``, its output to ``out``; return the process."""
+        self.proc.stdin.write((json.dumps({"args": args, "env": env, "cwd": str(cwd), "out": str(out)}) + "\n").encode())
+        self.proc.stdin.close()
+        return self.proc
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            _kill_group(self.proc)
+        if self.proc.stdin and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        shutil.rmtree(self.home, ignore_errors=True)
+        atexit.unregister(self.close)
+
+
+_standby: Standby | None = None
+
+
+def close_standby() -> None:
+    """End the standby pytest process, if one is waiting."""
+    global _standby
+    if _standby is not None:
+        _standby.close()
+        _standby = None
+
+
 def run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env: str, timeout_s: float,
                 tmp: Path, memory_mb: int, exercises: set[str] | None = None,
-                extra_dir_original: Path | None = None) -> tuple[list[TestResult], set[int]]:
-    """One pytest subprocess for one lesson; returns its results and every lesson its collection saw."""
+                extra_dir_original: Path | None = None, warm: bool = False) -> tuple[list[TestResult], set[int]]:
+    """One pytest process for one lesson; returns its results and every lesson its collection saw.
+
+    warm: start a standby pytest process for the next lesson or check while this one runs (and use
+    the one a previous call started, if its settings fit).
+    """
     log = tmp / f"ex{lesson:02d}.jsonl"
     out = tmp / f"ex{lesson:02d}.out"
     cmd = [sys.executable, "-m", "pytest", *map(str, files), *([str(extra_dir)] if extra_dir else []),
-           "-p", "toyllm.grading.plugin", "-p", "no:cacheprovider", f"--timeout={timeout_s:g}", "-q", "--no-header",
+           "-p", "pytest_timeout", "-p", "toyllm.grading.plugin", "-p", "no:cacheprovider", f"--timeout={timeout_s:g}", "-q", "--no-header",
            "--import-mode=importlib", f"--rootdir={tmp}", "-c", os.devnull, "-o", "console_output_style=classic"]
-    hide = [grading_tests_dir().parent, extra_dir_original, tmp]
-    if (course_root() / "solutions").is_dir():
-        hide.append(solutions_dir())                      # the sandbox gets its own copies, minus the graded answer
-    env = dict(os.environ, **{IMPL_ENV: impl_env, LOG_ENV: str(log), LESSON_ENV: str(lesson),
-                              EXERCISES_ENV: ",".join(sorted(exercises or ())), "PYTHONHASHSEED": "0",
-                              "PYTHONDONTWRITEBYTECODE": "1",      # no __pycache__ beside a submission
-                              COURSE_ENV: str(course_root()), SANDBOX_ENV: "1", TIMEOUT_ENV: f"{timeout_s:g}",
-                              MEMORY_ENV: str(memory_mb), SCRATCH_ENV: str(tmp),
-                              HIDE_ENV: os.pathsep.join(str(p) for p in hide if p is not None)})
-    with open(out, "wb") as sink:
-        proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=sink, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
-        try:
-            # Tests that start worker processes carry their own, longer timeout marks: give them room.
-            stalled = _watch(proc, log, timeout_s + 90)
-        except BaseException:          # Ctrl-C or SIGTERM to the grader: end the test process group too
-            _kill_group(proc)
-            raise
+    # The grader's own folder (tmp) is not listed: it is the grader's alone (mode 0700), and in a
+    # namespace it lies under the sandbox's fresh /tmp anyway; so the settings stay the same from one
+    # check to the next, and a standby started for one fits the next.
+    settings = sandbox_settings(memory_mb, extra_dir_original)
+    run = {IMPL_ENV: impl_env, LOG_ENV: str(log), LESSON_ENV: str(lesson), TIMEOUT_ENV: f"{timeout_s:g}",
+           EXERCISES_ENV: ",".join(sorted(exercises or ())), SCRATCH_ENV: str(tmp)}
+    global _standby
+    standby, _standby = _standby, None
+    if standby is not None and not standby.fits(settings):
+        standby.close()
+        standby = None
+    if standby is not None:
+        proc = standby.claim(cmd[3:], run, tmp, out)
+    else:
+        env = dict(os.environ, **settings, **run, **_FIXED)
+        with open(out, "wb") as sink:
+            proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
+    try:
+        if warm:                       # the next lesson or check finds Python, torch and a sandbox ready
+            _standby = Standby(settings)
+        # Tests that start worker processes carry their own, longer timeout marks: give them room.
+        stalled = _watch(proc, log, timeout_s + 90)
+    except BaseException:          # Ctrl-C or SIGTERM to the grader: end the test process group too
+        _kill_group(proc)
+        if _standby is not None:
+            _standby.close()
+            _standby = None
+        raise
+    finally:
+        if standby is not None:
+            standby.close()
     events = read_log(log)
     tail = out.read_text(errors="replace")[-3000:]
     collected = [e for e in events if e["event"] == "collected"]

@@ -46,9 +46,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import BinaryIO, NamedTuple
 
 from . import guard, wire
-from ..answers import ANSWERS_ENV
+from .course import ANSWERS_ENV
 from ..supervise import become_subreaper, describe_exit, die_with_parent, signal_group
 from .launcher import closed_folders, namespaces_work
 
@@ -83,6 +84,7 @@ class _Context:
     forbidden: tuple = ()             # what it may not call (toyllm.answers.forbidden)
     deadline: float | None = None     # time.monotonic() by which a call must be back
     on_violation = None               # callback(exercise, message), set by the plugin
+    more_exercises = False            # will a later test of this run grade another exercise?
 
 
 context = _Context()
@@ -144,11 +146,22 @@ def isolation() -> str:
         (", with the course's tests out of sight" if namespaces_work() else "")
 
 
-class Sandbox:
-    """One sandbox process (restarted after a crash or timeout) for the submission in ``impl_dir``."""
+class _Launched(NamedTuple):
+    proc: subprocess.Popen
+    sock: socket.socket
+    output: BinaryIO               # read end of its stdout and stderr
+    scratch: Path
 
-    def __init__(self, impl_dir: Path, reference_dir: Path | None, memory_mb: int, hide=()):
-        self.impl_dir, self.reference_dir, self.memory_mb = Path(impl_dir), reference_dir, memory_mb
+
+class Sandbox:
+    """One sandbox process (restarted after a crash or timeout, and for each exercise) for the submission.
+
+    The submission is read when a sandbox starts serving (from ``$TOYLLM_IMPL``), so one can be started
+    ahead (``prestart``) before anyone knows what it will grade.
+    """
+
+    def __init__(self, memory_mb: int, hide=()):
+        self.memory_mb = memory_mb
         self.hide = [Path(p) for p in hide]       # folders the submission must not see (the tests)
         self.user = sandbox_user()
         self.proc: subprocess.Popen | None = None
@@ -159,35 +172,24 @@ class Sandbox:
         self.loaded: dict[str, dict] = {}          # module -> reply of its load
         self.failed: dict[str, Exception] = {}     # module -> why it cannot be loaded (not retried)
         self._others: set[int] = set()
+        self._spare: _Launched | None = None        # a sandbox started ahead, for the next exercise
 
     # -- process management
 
-    def _start(self) -> None:
-        from .stubs import make_stub
-
+    def _launch(self) -> _Launched:
+        """A sandbox process that holds nothing yet (no submission, no answer): ``_start`` hands it its files."""
         # In a namespace the launcher copies the scratch folder into the sandbox's own /tmp, so it can stay in
         # the grader's private folder (removed with it, even after a SIGKILL of this process); otherwise the
         # sandbox user must reach it.
         private = self.user is None or namespaces_work()
-        parent = os.environ.get(SCRATCH_ENV) if private else None
-        self.scratch = Path(tempfile.mkdtemp(prefix="toyllm-sandbox-", dir=parent))
-        submission, reference = self.scratch / "submission", self.scratch / "reference"
-        submission.mkdir()
-        reference.mkdir()
-        for path in self.impl_dir.glob("*.py"):
-            shutil.copyfile(path, submission / path.name)
-        self.exercise = context.exercise
-        if self.reference_dir is not None:
-            only = {self.exercise} if self.exercise else None      # outside a test: no answer at all
-            for path in Path(self.reference_dir).glob("ex*.py"):
-                (reference / path.name).write_text(make_stub(path.read_text(), only=only))
+        scratch = Path(tempfile.mkdtemp(prefix="toyllm-sandbox-", dir=os.environ.get(SCRATCH_ENV) if private else None))
         if self.user is not None:
-            for path in [self.scratch, *self.scratch.rglob("*")]:
-                os.chown(path, *self.user)
+            os.chown(scratch, *self.user)
         parent, child = socket.socketpair()
-        env = {"PATH": os.defpath, "HOME": str(self.scratch), "TMPDIR": str(self.scratch), "LANG": "C.UTF-8",
+        env = {"PATH": os.defpath, "HOME": str(scratch), "TMPDIR": str(scratch), "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "PYTHONNOUSERSITE": "1",
-               "OMP_NUM_THREADS": "1", "TOYLLM_IMPL": str(submission), ANSWERS_ENV: str(reference)}
+               "OMP_NUM_THREADS": "1", "TOYLLM_IMPL": str(scratch / "submission"),
+               ANSWERS_ENV: str(scratch / "reference")}
         for name in ("TOYLLM_FAST", "LD_LIBRARY_PATH"):        # the lesson's size switch; where libpython is
             if name in os.environ:
                 env[name] = os.environ[name]
@@ -195,26 +197,68 @@ class Sandbox:
         user = f"{self.user[0]},{self.user[1]}" if self.user else "-"
         hide = os.pathsep.join(str(p) for p in self.hide)
         cmd = [sys.executable, str(Path(__file__).with_name("launcher.py")),
-               str(child.fileno()), str(reference), str(os.getpid()), limits, user, hide]
+               str(child.fileno()), str(scratch / "reference"), str(os.getpid()), limits, user, hide]
         _become_subreaper()
-        self._others = {p.pid for p in _children()}
         # Fresh descriptors for the sandbox's output: a write-only one on a file of the grader's (mode 0600),
         # never the trusted test process's own stdout and stderr, where pytest captures what a test printed.
         fd, path = tempfile.mkstemp(prefix="toyllm-sandbox-", suffix=".out")
-        self._output = os.fdopen(fd, "rb")
+        output = os.fdopen(fd, "rb")
         write_only = os.open(path, os.O_WRONLY | os.O_APPEND)
         os.unlink(path)
         try:
-            self.proc = subprocess.Popen(cmd, cwd=self.scratch, env=env, pass_fds=(child.fileno(),),
-                                         stdin=subprocess.DEVNULL, stdout=write_only, stderr=write_only,
-                                         start_new_session=True, preexec_fn=die_with_parent)
+            proc = subprocess.Popen(cmd, cwd=scratch, env=env, pass_fds=(child.fileno(),),
+                                    stdin=subprocess.DEVNULL, stdout=write_only, stderr=write_only,
+                                    start_new_session=True, preexec_fn=die_with_parent)
         finally:
             os.close(write_only)
-        child.close()
-        self.sock = parent
+            child.close()
+        return _Launched(proc, parent, output, scratch)
+
+    def _files(self) -> dict[str, str]:
+        """What the sandbox gets: the submission as it is now, and every model answer but the graded one."""
+        from .course import resolve_impl, solutions_dir
+        from .stubs import make_stub
+
+        files = {f"submission/{path.name}": path.read_text() for path in resolve_impl().glob("*.py")}
+        try:
+            reference = solutions_dir()
+        except ValueError:                  # the student edition: no model answers
+            reference = None
+        if reference is not None:
+            only = {self.exercise} if self.exercise else None      # outside a test: no answer at all
+            for path in reference.glob("ex*.py"):
+                files[f"reference/{path.name}"] = make_stub(path.read_text(), only=only)
+        return files
+
+    def _start(self) -> None:
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.proc.poll() is not None:
+            self._end(spare)
+            spare = None
+        self._others = {p.pid for p in _children()} - ({spare.proc.pid} if spare else set())
+        launched = spare or self._launch()
+        self.proc, self.sock, self._output, self.scratch = launched
+        self.exercise = context.exercise
+        self._request_started({"op": "prepare", "files": self._files()}, "starting the sandbox")
+        if context.more_exercises:               # the next exercise's sandbox warms up while this one works
+            self._spare = self._launch()
         for name in list(self.loaded):               # a restart: bring back what was loaded
             self.loaded.pop(name)
             self.load(name)
+
+    def _end(self, launched: _Launched) -> None:
+        signal_group(launched.proc.pid)
+        launched.proc.wait()
+        launched.output.close()
+        launched.sock.close()
+        shutil.rmtree(launched.scratch, ignore_errors=True)
+
+    def close(self) -> None:
+        """End the sandbox and the spare one."""
+        self.kill()
+        if self._spare is not None:
+            spare, self._spare = self._spare, None
+            self._end(spare)
 
     def kill(self) -> None:
         """End the sandbox and every process it started, however they detached."""
@@ -233,11 +277,20 @@ class Sandbox:
             shutil.rmtree(self.scratch, ignore_errors=True)
             self.scratch = None
 
+    def _in_spare(self, pid: int) -> bool:
+        """Is ``pid`` part of the spare sandbox? It ran no submitted code, so it is still in its own session."""
+        if self._spare is None:
+            return False
+        try:
+            return os.getsid(pid) == self._spare.proc.pid
+        except OSError:
+            return False
+
     def _end_descendants(self) -> None:
         import psutil
 
         for _ in range(5):                 # orphans keep arriving while their parents die
-            strays = [p for p in _children() if p.pid not in self._others]
+            strays = [p for p in _children() if p.pid not in self._others and not self._in_spare(p.pid)]
             if not strays:
                 return
             for p in strays:
@@ -261,6 +314,9 @@ class Sandbox:
             self.kill()                # it holds the model answer of the exercise now graded: start afresh
         if self.proc is None:
             self._start()
+        return self._request_started(message, what)
+
+    def _request_started(self, message: dict, what: str) -> dict:
         timeout_s = _time_left()       # what is left once the sandbox is up
         try:
             self.sock.settimeout(timeout_s)
@@ -350,22 +406,23 @@ _sandbox: Sandbox | None = None
 def _get_sandbox() -> Sandbox:
     global _sandbox
     if _sandbox is None:
-        from .course import resolve_impl, solutions_dir
-
-        try:
-            reference = solutions_dir()
-        except ValueError:
-            reference = None
         hide = [p for p in os.environ.get(HIDE_ENV, "").split(os.pathsep) if p]
-        _sandbox = Sandbox(resolve_impl(), reference, int(os.environ.get(MEMORY_ENV, DEFAULT_MEMORY_MB)), hide)
+        _sandbox = Sandbox(int(os.environ.get(MEMORY_ENV, DEFAULT_MEMORY_MB)), hide)
     return _sandbox
+
+
+def prestart() -> None:
+    """Start a sandbox ahead (no submission, no answers yet), so the first test does not wait for Python."""
+    sandbox = _get_sandbox()
+    if sandbox._spare is None and sandbox.proc is None:
+        sandbox._spare = sandbox._launch()
 
 
 def close() -> None:
     """End the sandbox (the plugin calls this when pytest finishes)."""
     global _sandbox
     if _sandbox is not None:
-        _sandbox.kill()
+        _sandbox.close()
         _sandbox = None
 
 

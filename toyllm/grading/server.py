@@ -5,6 +5,9 @@ descriptor ``argv[1]``; the submission's files are in ``$TOYLLM_IMPL``, the
 model answers (for the other exercises, see ``guard``) in ``argv[2]``. It
 answers one request at a time:
 
+- ``prepare`` (first, once): write the files it is handed (the submission
+  and the model answers it may use) into its scratch folder. A sandbox can
+  so be started ahead, before anyone knows which exercise it will serve;
 - ``load``: import an exercise module; reply with its function names;
 - ``call``: run a submitted function (``("exercise", module, name)``) or a
   trusted harness function (``("harness", "pkg.module:function")``) under
@@ -36,7 +39,9 @@ def _error(exc: BaseException, files) -> dict:
             where = f"{os.path.basename(frame.filename)}, line {frame.lineno}, in {frame.name}: {frame.line}"
             break
     try:
-        message = str(exc)[:2000]
+        message = str(exc)
+        if len(message) > 20_000:           # an engine failure carries its ranks' tracebacks: keep both ends
+            message = message[:10_000] + "\n...\n" + message[-10_000:]
     except Exception:
         message = "?"
     return {"type": type(exc).__name__, "builtin": builtin, "message": message, "where": where}
@@ -88,7 +93,16 @@ def main(fd: int, reference_dir: str) -> None:
             return
         reply: dict
         try:
-            if request["op"] == "load":
+            if request["op"] == "prepare":
+                for relative, text in request["files"].items():
+                    folder, _, name = relative.partition("/")
+                    if folder not in ("submission", "reference") or not name or "/" in name or name.startswith("."):
+                        raise ValueError(f"prepare: unexpected file {relative!r}")
+                    os.makedirs(folder, exist_ok=True)
+                    with open(os.path.join(folder, name), "w") as f:
+                        f.write(text)
+                reply = {"ok": True, "value": None}
+            elif request["op"] == "load":
                 name = request["module"]
                 path = exercise_file(resolve_impl(), name)
                 module = load_exercise(name)

@@ -13,6 +13,7 @@ import functools
 import importlib
 import importlib.machinery
 import importlib.util
+import inspect
 import random
 import statistics
 import time
@@ -311,15 +312,15 @@ def _run_step(step: Callable, args: tuple, rank: int, layer: int, method: str, b
     A failure inside the step is reported with the rank, the layer and the
     step's own line, not as a shape error from deep inside a kernel.
     """
-    name = getattr(step, "__name__", "the step")
-    where = f"rank {rank}, layer {layer}, {name}"
     try:
         out = step(*args)
     except StepError:
         raise
     except Exception as e:
+        where = _where(step, rank, layer)
         message = str(e).removeprefix(f"rank {rank}, layer {layer}: ")     # the engine's own errors name them
         raise StepError(f"{where}{_step_line(step, e)}: {type(e).__name__}: {message}") from e
+    where = _where(step, rank, layer)
     if not (isinstance(out, tuple) and len(out) == 3):
         raise StepError(f"{where} must return (x, k, v), got {type(out).__name__}")
     x, k, v = out
@@ -343,11 +344,16 @@ def _run_step(step: Callable, args: tuple, rank: int, layer: int, method: str, b
     return x, k, v
 
 
+def _where(step: Callable, rank: int, layer: int) -> str:
+    """"rank r, layer l, name": the name of the step a person wrote, through any wrapper (``__wrapped__``)."""
+    return f"rank {rank}, layer {layer}, {getattr(inspect.unwrap(step), '__name__', 'the step')}"
+
+
 def _step_line(step: Callable, error: BaseException) -> str:
     """" (file.py, line N: code)" of the deepest frame of the step's own file in ``error``'s traceback."""
     import traceback
 
-    source = getattr(getattr(step, "__code__", None), "co_filename", None)
+    source = getattr(getattr(inspect.unwrap(step), "__code__", None), "co_filename", None)
     frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == source]
     if not frames:
         return ""

@@ -1,0 +1,286 @@
+"""Deciding from timings: repeated, interleaved runs, their spread, and verdicts that can say "tie".
+
+A timing on a shared machine moves from run to run, sometimes by tens of
+percent. A comparison that reads "faster" from two single numbers can flip
+when the cell runs again. Everything in the course that prints or writes a
+comparison of timings goes through this module:
+
+- ``interleaved_runs`` times several things in turns (a, b, c, a, b, c, ...),
+  so that a slow spell of the machine hits all of them alike;
+- ``compare`` decides from the runs of two things whether one is faster,
+  slower, or whether they tie: only when *every* run of one took less time
+  than *every* run of the other, and the medians differ by more than 1
+  percent, is there a winner. ``Verdict.sentence`` prints both medians
+  with the range of their runs beside the decision, so a reader can check it;
+- ``check_machine`` looks at the machine before anything is timed: the load
+  average against the cores this process may use, and whether two threads
+  beat one on a small matmul. ``one_process_baseline`` picks, from measured
+  one- and two-thread runs, the configuration a user would actually run.
+
+All times are in seconds. Nothing here asserts on a timing.
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+# Medians within 1 percent are a tie even when the runs do not overlap: closer than that, a difference
+# is smaller than what moves between two series of runs on an ordinary machine.
+MIN_EFFECT = 0.01
+# The words a verdict may have, from the point of view of the thing measured against a baseline.
+WORDS = ("faster", "slower", "tie", "undecided")
+
+
+def format_seconds(s: float) -> str:
+    """0.0123 -> "12.3 ms", 1.5 -> "1.500 s": milliseconds below a second, seconds above."""
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.3f} s"
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The runs of one measurement (seconds): their median and their range."""
+
+    runs: tuple[float, ...]
+
+    def __post_init__(self):
+        if not self.runs:
+            raise ValueError("a measurement needs at least one run")
+        if not all(isinstance(t, (int, float)) and math.isfinite(t) and t >= 0 for t in self.runs):
+            raise ValueError(f"runs must be finite, non-negative seconds, got {list(self.runs)}")
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.runs)
+
+    @property
+    def low(self) -> float:
+        return min(self.runs)
+
+    @property
+    def high(self) -> float:
+        return max(self.runs)
+
+    def scaled(self, factor: float) -> "Spread":
+        """Every run times ``factor`` (for example a lower bound computed from each run)."""
+        return Spread(tuple(factor * t for t in self.runs))
+
+    def __str__(self) -> str:
+        """ "0.512 s [0.498-0.530 s]" (median, then lowest and highest run) or "0.512 s (1 run)". """
+        if len(self.runs) == 1:
+            return f"{format_seconds(self.median)} (1 run)"
+        low, high = format_seconds(self.low), format_seconds(self.high)
+        unit = low.split()[1]
+        if high.split()[1] == unit:                     # "[0.498-0.530 s]"; mixed units stay spelled out
+            return f"{format_seconds(self.median)} [{low.split()[0]}-{high}]"
+        return f"{format_seconds(self.median)} [{low}-{high}]"
+
+
+def spread(runs: Sequence[float] | Spread) -> Spread:
+    """``runs`` (seconds) as a Spread."""
+    return runs if isinstance(runs, Spread) else Spread(tuple(float(t) for t in runs))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How one measurement compares with a baseline, decided from their runs (see ``compare``)."""
+
+    word: str          # "faster", "slower", "tie" or "undecided" (fewer than two runs on a side)
+    ratio: float       # median(baseline) / median(ours): above 1 means ours took less time
+    ours: Spread
+    base: Spread
+
+    @property
+    def decided(self) -> bool:
+        """True for "faster" and "slower": the runs do not overlap and the medians differ enough."""
+        return self.word in ("faster", "slower")
+
+    @property
+    def than(self) -> str:
+        """The comparison as words before the baseline's name: "1.32x faster than", "as fast (1.005x) as"."""
+        if self.word == "faster":
+            return f"{self.ratio:.2f}x faster than"
+        if self.word == "slower":
+            return f"{1 / self.ratio:.2f}x slower than"
+        if self.word == "tie":
+            return f"as fast ({self.ratio:.2f}x, inside the spread of the runs) as"
+        return f"not comparable from a single run ({self.ratio:.2f}x) with"
+
+    def sentence(self, ours: str, base: str) -> str:
+        """One line with both medians, the ranges of their runs and the decision.
+
+        "KVR 0.41 s [0.40-0.43 s] vs TSP 0.50 s [0.49-0.52 s]: KVR is 1.22x faster"
+        """
+        numbers = f"{ours} {self.ours} vs {base} {self.base}"
+        if self.word == "faster":
+            return f"{numbers}: {ours} is {self.ratio:.2f}x faster"
+        if self.word == "slower":
+            return f"{numbers}: {ours} is {1 / self.ratio:.2f}x slower"
+        if self.word == "tie":
+            return f"{numbers}: a tie ({self.ratio:.2f}x, inside the spread of the runs)"
+        return f"{numbers}: undecided (one run cannot show its spread)"
+
+
+def compare(ours: Sequence[float] | Spread, base: Sequence[float] | Spread, *, min_effect: float = MIN_EFFECT) -> Verdict:
+    """Is ``ours`` faster than ``base``? Both are runs in seconds (lower is better).
+
+    "faster" when every run of ours took less time than every run of base
+    and the medians differ by more than ``min_effect`` (a fraction);
+    "slower" the other way round; "tie" when the ranges of the runs overlap
+    or the medians are that close; "undecided" when a side has a single
+    run, which shows no spread to judge the difference by.
+    """
+    a, b = spread(ours), spread(base)
+    ratio = b.median / a.median if a.median > 0 else math.inf
+    if len(a.runs) < 2 or len(b.runs) < 2:
+        word = "undecided"
+    elif a.high < b.low and ratio > 1 + min_effect:
+        word = "faster"
+    elif a.low > b.high and ratio < 1 / (1 + min_effect):
+        word = "slower"
+    else:
+        word = "tie"
+    return Verdict(word, ratio, a, b)
+
+
+def interleaved_runs(fns: dict[str, Callable[[], float | None]], rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds of each ``fn()`` per round, the functions taking turns (a, b, c, a, b, c, ...).
+
+    ``warmup`` untimed rounds come first. Taking turns makes a slow spell of a
+    shared machine hit every function alike. A function that returns a
+    number reports its own seconds (a parallel prefill's TTFT, timed inside
+    the workers); otherwise the call is timed here, by the wall clock.
+    """
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
+    runs: dict[str, list[float]] = {name: [] for name in fns}
+    for r in range(warmup + rounds):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            reported = fn()
+            elapsed = time.perf_counter() - t
+            if r >= warmup:
+                runs[name].append(float(reported) if isinstance(reported, (int, float)) else elapsed)
+    return runs
+
+
+# --------------------------------------------------------------------------- the machine
+
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one, else the CPU count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def load_average() -> float:
+    """The 1-minute load average (processes running or waiting for a CPU), or nan where the OS has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return math.nan
+
+
+@dataclass(frozen=True)
+class MachineState:
+    """What the machine looked like just before a measurement (``check_machine``)."""
+
+    cores: int                 # CPUs this process may use
+    load: float                # 1-minute load average, nan if unknown
+    one_thread: Spread         # seconds of the same matmuls on one intra-op thread ...
+    two_threads: Spread        # ... and on two, runs interleaved
+
+    @property
+    def threads(self) -> Verdict:
+        """Two threads against one on the same work."""
+        return compare(self.two_threads, self.one_thread)
+
+    @property
+    def loaded(self) -> bool:
+        """More processes want a CPU than this process may use."""
+        return not math.isnan(self.load) and self.load > self.cores
+
+    @property
+    def oversubscribed(self) -> bool:
+        """Two threads lost to one: another process holds a core, and parallel timings will mislead."""
+        return self.cores >= 2 and self.threads.word == "slower"
+
+    @property
+    def busy(self) -> bool:
+        return self.loaded or self.oversubscribed
+
+    @property
+    def line(self) -> str:
+        """One line for the reader: cores, load, one thread vs two, and what that means for the timings."""
+        load = "unknown" if math.isnan(self.load) else f"{self.load:.2f}"
+        head = f"machine: {self.cores} usable core(s), load average {load}"
+        if self.cores < 2:
+            return f"{head}; one core: no thread or process can run beside another"
+        t = self.threads.sentence("2 threads", "1 thread")
+        if self.oversubscribed:
+            return (f"{head}; oversubscribed: {t}. Another program holds a core: parallel timings below are "
+                    "distorted, and the one-process baseline is the faster thread count")
+        if self.loaded:
+            return (f"{head} (above the core count: busy); {t}. Expect noisy timings; ties are likely")
+        return f"{head}; {t}"
+
+
+def _matmul_work(n: int) -> Callable[[], None]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+
+    def work():
+        for _ in range(4):
+            a @ b
+
+    return work
+
+
+def check_machine(rounds: int = 7, size: int = 512) -> MachineState:
+    """Time the same matmuls on one and on two intra-op threads, interleaved, and read the load average.
+
+    About 0.2-0.5 s on a quiet two-core machine. ``size``: the side of the square float32 matrices.
+    """
+    import torch
+
+    work = _matmul_work(size)
+    before = torch.get_num_threads()
+
+    def on(n):
+        def fn() -> float:
+            torch.set_num_threads(n)
+            work()                             # untimed: the first call after resizing the thread pool is slow
+            t = time.perf_counter()
+            work()
+            return time.perf_counter() - t
+        return fn
+
+    try:
+        runs = interleaved_runs({"one": on(1), "two": on(2)}, rounds, warmup=1)
+    finally:
+        torch.set_num_threads(before)
+    return MachineState(usable_cores(), load_average(), spread(runs["one"]), spread(runs["two"]))
+
+
+ONE_THREAD, TWO_THREADS = "1 process, 1 thread", "1 process, 2 threads"
+
+
+def one_process_baseline(one_thread: Sequence[float] | Spread, two_threads: Sequence[float] | Spread) -> tuple[str, str]:
+    """The one-process configuration a user would run, and why, from measured runs of both.
+
+    Two threads is what a user gets by default; when they lose to one thread
+    (beyond the spread of the runs), the machine is oversubscribed and a user
+    would run one. Returns (ONE_THREAD or TWO_THREADS, a sentence saying why).
+    """
+    v = compare(two_threads, one_thread)
+    if v.word == "slower":
+        return ONE_THREAD, (f"oversubscribed: {v.sentence('2 threads', '1 thread')}; another program holds a "
+                            "core, so the baseline is one process with 1 thread, what a user would run here")
+    return TWO_THREADS, (f"{v.sentence('2 threads', '1 thread')}; the baseline is one process with 2 threads, "
+                         "what a user gets by default")
