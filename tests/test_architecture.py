@@ -105,7 +105,7 @@ LAYERS = [
      "toyllm.grading.sandbox", "toyllm.grading.guard", "toyllm.grading.wire", "toyllm.grading.launcher"},
     {"toyllm.attention", "toyllm.quant"},
     {"toyllm.model"},
-    {"toyllm.cache", "toyllm.tokenizer", "toyllm.analysis"},
+    {"toyllm.cache", "toyllm.paged", "toyllm.tokenizer", "toyllm.analysis"},
     {"toyllm.weights", "toyllm.generation", "toyllm.launch", "toyllm.partition"},
     {"toyllm.parallel", "toyllm.simulate"},
 ]

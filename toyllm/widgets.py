@@ -362,8 +362,9 @@ class CoverageExplorer(_Explorer):
             return
         self.chunks = [a, b - a, self.context - b]
         self.dots = dot_products(self.chunks, self.method.value)
-        self.text.value = (f"chunks {self.chunks}: dot products per rank {self.dots}; the slowest rank sets "
-                           f"the time to first token ({max(self.dots)})")
+        self.text.value = (f"chunks {self.chunks}: dot products per rank {self.dots}; the last rank produces the "
+                           f"first token, and it needs every rank's keys and values layer by layer, so the busiest "
+                           f"rank ({max(self.dots)}) bounds the time to first token from below")
         if self.plot:
             self._show(viz.plot_coverage(self.chunks, self.method.value))
 
