@@ -6,18 +6,25 @@ no child process is left.
 """
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import time
 
+import numpy as np
 import psutil
 import pytest
 
 import toyllm
+import toyllm.bench
+import toyllm.grading.cli as grading_cli
 import toyllm.launch as launch
 import toyllm.parallel
 import toyllm.parallel.runner as runner
 from toyllm.cli import main
 from toyllm.generation import check_sampling
+from toyllm.gguf_file import open_gguf
 from toyllm.launch import WorkerError, WorkerPool
 from toyllm.parallel import ModelSpec, parallel_prefill
 from toyllm.simulate import CostModel
@@ -76,6 +83,16 @@ TINY = ["--model", "tiny", "--context", "64"]
     (["prefill", *TINY, "--method", "tsp", "--no-overlap"], "--no-overlap"),
     (["prefill", *TINY, "--method", "kvr", "--balance", "zigzag"], "--balance zigzag: balance='zigzag' shares out"),
     (["prefill", *TINY, "--timeout", "0"], "--timeout must be > 0"),
+    (["prefill", *TINY, "--timeout", "inf"], "--timeout must be > 0 seconds and at most 86400 (one day), got inf"),
+    (["prefill", *TINY, "--timeout", "nan"], "--timeout must be > 0 seconds and at most 86400 (one day), got nan"),
+    (["prefill", *TINY, "--timeout", "-1"], "--timeout must be > 0 seconds and at most 86400"),
+    (["prefill", *TINY, "--threads", "100000"], "--threads 100000: threads per process must be 1 to "),
+    (["prefill", *TINY, "--threads", "0"], "--threads 0: threads per process must be 1 to "),
+    (["prefill", *TINY, "--seed", "1180591620717411303424"], "--seed 1180591620717411303424: a seed is an integer "
+                                                             "from 0 to 2**63-1"),
+    (["prefill", *TINY, "--bandwidth", "10", "--noise", "1e9"], "--noise 1000000000.0: noise is the standard "
+                                                                 "deviation of the relative slow-down of a message, "
+                                                                 "0 to 1"),
     (["prefill", *TINY, "--repeat", "0"], "--repeat must be at least 1"),
     (["prefill", *TINY, "--attention", "flash9"], "--attention: invalid choice"),
     (["search", "--model", "tiny", "--context", "4096"], "--context 4096: tiny runs contexts of 1 to 1024"),
@@ -87,6 +104,9 @@ TINY = ["--model", "tiny", "--context", "64"]
     (["search", *TINY, "--force"], "--repeat and --force apply to --cost measured"),
     (["search", *TINY, "--bandwidth", "0"], "--bandwidth must be a finite number"),
     (["search", *TINY, "--min-stride", "0"], "--min-stride must be >= 1"),
+    (["search", "--model", "tiny", "--context", "512", "--min-stride", "100000"], "--min-stride 100000 is longer "
+                                                                                  "than --context 512: the finest "
+                                                                                  "boundary step must be 1 to 512"),
     (["generate", "--model", "tiny", "--prompt", "x", "--temperature", "nan"], "temperature must be a finite"),
     (["generate", "--model", "tiny", "--prompt", "x", "--temperature", "inf"], "temperature must be a finite"),
     (["generate", "--model", "tiny", "--prompt", "x", "--top-k", "5"], "--top-k only matter when sampling"),
@@ -94,6 +114,15 @@ TINY = ["--model", "tiny", "--context", "64"]
     (["generate", "--model", "tiny", "--prompt", "x", "--max-new-tokens", "2000"], "--max-new-tokens 2000: the "
                                                                                   "prompt (1 tokens) + 2000"),
     (["generate", "--model", "tiny", "--prompt", "x", "--method", "naive", "--cache", "static"], "--cache"),
+    (["generate", "--model", "tiny", "--prompt", "x", "--temperature", "1", "--seed", "1180591620717411303424"],
+     "--seed 1180591620717411303424: a seed is an integer from 0 to 2**63-1 (9223372036854775807)"),
+    (["generate", "--model", "tiny", "--prompt", "x", "--temperature", "1", "--seed", "-1"], "--seed -1: a seed is"),
+    (["generate", "--model", "tiny", "--prompt", "x", "--temperature", "1", "--top-k", "100000"],
+     "--top-k 100000: top-k must be between 1 and tiny's vocabulary size (256)"),
+    (["generate", "--model", "tiny", "--prompt", "x", "--temperature", "1", "--top-k", "0"], "--top-k 0: top-k must"),
+    (["generate", "--model", "smollm2-135m", "--prompt", "x", "--temperature", "1", "--top-k", "100000"],
+     "--top-k 100000: top-k must be between 1 and smollm2-135m's vocabulary size (49152)"),
+    (["bench", "--out", ".", "--quick"], "--out . is a folder; give the path of a file to write"),
 ])
 def test_cli_rejects_bad_flags_before_any_work(capsys, no_workers, argv, names):
     assert names in cli_error(capsys, argv)
@@ -153,6 +182,167 @@ def test_an_output_path_in_a_missing_folder_is_rejected_before_the_work(capsys, 
     missing = tmp_path / "nope" / "table.json"
     assert "does not exist" in cli_error(capsys, ["search", *TINY, "--table", str(missing)])
     assert "--out" in cli_error(capsys, ["bench", "--out", str(tmp_path / "nope" / "b.md"), "--quick"])
+    assert "is a folder" in cli_error(capsys, ["bench", "--out", str(tmp_path), "--quick"])
+    assert "is a folder" in cli_error(capsys, ["search", *TINY, "--table", str(tmp_path)])
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2-135m"])
+def test_a_prompt_that_is_not_utf8_names_the_flag_before_the_model_loads(capsys, no_workers, monkeypatch, model):
+    monkeypatch.setattr(toyllm, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    prompt = b"\xff\xfe hi".decode("utf-8", "surrogateescape")      # what sys.argv holds for those bytes
+    err = cli_error(capsys, ["generate", "--model", model, "--prompt", prompt])
+    assert "--prompt is not valid UTF-8 text (byte 0xff at position 0)" in err
+
+
+def test_nccl_without_a_gpu_per_rank_is_one_line_before_any_worker(capsys, no_workers, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    err = cli_error(capsys, ["prefill", *TINY, "--backend", "nccl"])
+    assert "--backend nccl: backend 'nccl' needs one CUDA GPU per rank: 2 rank(s)" in err and "gloo" in err
+
+
+# --------------------------------------------------------------------------- the grader's command line
+
+@pytest.fixture
+def no_grading(monkeypatch):
+    monkeypatch.setattr(grading_cli, "grade", lambda *a, **k: pytest.fail("grading started"))
+
+
+def grade_errors(capsys, argv) -> list[str]:
+    """The error line of both command lines (``python -m toyllm grade``, ``python -m toyllm.grading grade``)."""
+    errors = [cli_error(capsys, ["grade", *argv])]
+    assert grading_cli.cli_main(["grade", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    return errors + [err]
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--timeout", "nan"], "--timeout nan: the time limit of one test must be a number of seconds > 0 and at most "
+                           "3600"),
+    (["--timeout", "inf"], "--timeout inf: the time limit"),
+    (["--timeout", "0"], "--timeout 0.0: the time limit"),
+    (["--timeout", "3601"], "--timeout 3601.0: the time limit"),
+    (["--memory-mb", "99999999999"], "--memory-mb 99999999999: the address-space limit must be 1024 MiB"),
+    (["--memory-mb", "100"], "--memory-mb 100: the address-space limit must be 1024 MiB"),
+])
+def test_grade_rejects_bad_limits_before_grading(capsys, no_grading, argv, names):
+    for err in grade_errors(capsys, argv):
+        assert names in err
+
+
+def test_grade_results_must_be_a_file_in_an_existing_folder(capsys, monkeypatch, tmp_path):
+    import toyllm.grading.grader as grader
+
+    monkeypatch.setattr(grader, "run_lesson", lambda *a, **k: pytest.fail("a lesson started"))   # grade() checks first
+    for err in grade_errors(capsys, ["--results", str(tmp_path)]):
+        assert f"--results {tmp_path} is a folder" in err
+    for err in grade_errors(capsys, ["--results", str(tmp_path / "nope" / "results.json")]):
+        assert "does not exist" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_write_of_the_results_leaves_no_file_behind(monkeypatch, tmp_path):
+    from toyllm.grading.report import GradeReport
+
+    target = tmp_path / "results.json"
+    GradeReport(impl="exercises").write(target)
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"] and json.loads(target.read_text())["score"] == 0
+
+    def fail(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        GradeReport(impl="exercises").write(target)
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]          # no .results-*.json left beside it
+
+
+def test_a_failed_write_of_the_benchmarks_leaves_no_file_behind(monkeypatch, tmp_path):
+    for name, value in toyllm.bench.RESIDENT_HEAP_ENV.items():
+        monkeypatch.setenv(name, value)          # no re-run of the command in a fresh process
+    monkeypatch.setitem(toyllm.bench.SECTIONS, "generation", lambda quick: {})
+    monkeypatch.setattr(toyllm.bench, "render_section", lambda name, data: "a table")
+    target = tmp_path / "bench.md"
+    toyllm.bench.run_benchmarks(str(target), sections=["generation"], quick=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.md"] and "a table" in target.read_text()
+    before = target.read_text()
+
+    def fail(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        toyllm.bench.run_benchmarks(str(target), sections=["generation"], quick=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.md"] and target.read_text() == before
+
+
+# --------------------------------------------------------------------------- a truncated GGUF file
+
+def _tiny_gguf(path) -> None:
+    """A small GGUF file: some metadata and two float32 tensors."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint32("llama.block_count", 1)
+    writer.add_token_list(["a", "b", "c"])
+    writer.add_tensor("token_embd.weight", np.arange(8 * 64, dtype=np.float32).reshape(8, 64))
+    writer.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture
+def gguf_bytes(tmp_path) -> bytes:
+    path = tmp_path / "whole.gguf"
+    _tiny_gguf(path)
+    reader = open_gguf(path)            # the whole file reads
+    assert [t.name for t in reader.tensors] == ["token_embd.weight", "output_norm.weight"]
+    assert reader.tensors[0].data_offset == len(reader.data) - (8 * 64 + 64) * 4    # the tensors come last
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("cut, names", [
+    (10, "its 2 tensors need {size}"),                      # inside the last tensor
+    (64 * 4 + 8 * 64 * 4 - 4, "its 2 tensors need {size}"),  # inside the first tensor
+    (64 * 4 + 8 * 64 * 4 + 3, "its 2 tensors need {size}"),  # in the padding before the tensors
+    ("header", "reading its header and metadata needs at least"),
+])
+def test_a_truncated_gguf_file_is_named_before_any_tensor_is_read(tmp_path, gguf_bytes, cut, names):
+    size = len(gguf_bytes)
+    for keep in ([100, 30, 10, 3] if cut == "header" else [size - cut]):
+        path = tmp_path / "cut.gguf"
+        path.write_bytes(gguf_bytes[:keep])
+        with pytest.raises(ValueError) as info:
+            open_gguf(path)
+        message = str(info.value)
+        assert f"GGUF file {path} is truncated: it has {keep} bytes, but " in message
+        assert names.format(size=size) in message and "\n" not in message
+
+
+def test_a_file_that_is_not_gguf_is_one_clear_error(tmp_path):
+    path = tmp_path / "empty.gguf"
+    path.write_bytes(b"")
+    with pytest.raises(ValueError, match="cannot be read, it is corrupt or not a GGUF file"):
+        open_gguf(path)
+    path.write_bytes(b"not a gguf file at all, but long enough")
+    with pytest.raises(ValueError, match=f"GGUF file {path} .* cannot be read"):
+        open_gguf(path)
+
+
+def test_the_cli_names_a_truncated_model_file_in_one_line(capsys, no_workers, monkeypatch, tmp_path, gguf_bytes):
+    import toyllm.weights
+
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(gguf_bytes[:-10])
+    monkeypatch.setattr(toyllm.weights, "find_smollm2_gguf", lambda: path)
+    err = cli_error(capsys, ["generate", "--model", "smollm2-135m", "--prompt", "hi"])
+    assert f"--model smollm2-135m: GGUF file {path} is truncated" in err
 
 
 # --------------------------------------------------------------------------- user errors vs failures and bugs
@@ -172,6 +362,53 @@ def test_a_bug_in_the_work_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(toyllm, "generate", broken)
     with pytest.raises(ValueError, match="a bug deep inside generation"):
         main(["generate", "--model", "tiny", "--prompt", "hi", "--max-new-tokens", "2"])
+
+
+def _workers_joined(pid: int) -> list[int]:
+    """The pids of ``pid``'s children once two of them hold a TCP connection (they joined the group), else []."""
+    try:
+        children = psutil.Process(pid).children()
+        joined = [c.pid for c in children if any(k.status == psutil.CONN_ESTABLISHED for k in c.net_connections())]
+    except psutil.Error:
+        return []
+    return joined if len(joined) >= 2 else []
+
+
+@pytest.mark.needs("5.2")
+@pytest.mark.timeout(300)
+def test_sigterm_stops_a_parallel_prefill_like_ctrl_c():
+    """SIGTERM: one line, exit code 143, no traceback from the command or a worker, no worker left."""
+    cmd = [sys.executable, "-m", "toyllm", "prefill", "--model", "tiny", "--context", "1024", "--repeat", "100000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (workers := _workers_joined(proc.pid)):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the workers did not start within 180 s"
+            time.sleep(0.2)
+        time.sleep(1.0)                          # into the timed runs
+        started = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]   # the workers and helpers
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err and err.strip().splitlines() == ["prefill: stopped (SIGTERM)"], err
+    assert out == ""
+    assert set(workers) <= set(started)
+    gone_by = time.monotonic() + 10
+    while any(map(_alive, started)):
+        assert time.monotonic() < gone_by, f"processes left behind: {[p for p in started if _alive(p)]}"
+        time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @pytest.mark.parametrize("failure, code, names", [

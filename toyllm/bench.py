@@ -10,9 +10,11 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import stat
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -492,5 +494,18 @@ def run_benchmarks(out: str, sections: list[str] | None = None, quick: bool = Fa
         else:
             text = text.rstrip() + "\n\n" + block + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    write_atomic(path, text)
     print(f"wrote {path}")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` in one step: a temporary file in the same folder, then os.replace; none is left on failure."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o644)   # mkstemp makes it 0600
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

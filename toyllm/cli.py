@@ -28,6 +28,9 @@ from .utils import TextStreamer, random_prompt
 # More processes than this per core only time-slice the same cores (and, with gloo,
 # can run into the process-group timeout); --force lifts the limit.
 MAX_PROCESSES_PER_CORE = 2
+MAX_SEED = 2**63 - 1          # torch.manual_seed takes a 64-bit integer; seeds are 0 .. 2**63-1
+MAX_TIMEOUT_S = 86400.0       # --timeout: at most one day (inf or a huge one overflows the process-group timeout)
+MAX_NOISE = 1.0               # --noise: a standard deviation of 100 percent of the modelled time at most
 
 
 def _check(ok: bool, message: str) -> None:
@@ -62,12 +65,26 @@ def _from_file(build, path: str, what: str):
                          f"{e.__class__.__name__}: {e}") from None
 
 
-def _output_folder_exists(path: str, flag: str) -> None:
-    """Reject an output path whose folder is missing before any long work starts, so no result is lost."""
+def _check_output_file(path: str, flag: str) -> None:
+    """Reject an output path that is a folder, or whose folder is missing, before any long work starts."""
     from pathlib import Path
 
+    _check(not Path(path).is_dir(), f"{flag} {path} is a folder; give the path of a file to write")
     folder = Path(path).resolve().parent
     _check(folder.is_dir(), f"{flag} {path}: the folder {folder} does not exist; create it first")
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity), or the machine's count where that is unknown."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:     # not Linux
+        return os.cpu_count() or 1
+
+
+def _check_seed(seed: int | None) -> None:
+    _check(seed is None or 0 <= seed <= MAX_SEED, f"--seed {seed}: a seed is an integer from 0 to 2**63-1 "
+                                                  f"({MAX_SEED})")
 
 
 def _check_process_limit(p: int, force: bool) -> None:
@@ -99,8 +116,11 @@ def check_generate(args) -> tuple:
     from . import load_model
     from .generation import check_sampling
 
-    n = args.max_new_tokens
+    n, vocab = args.max_new_tokens, get_config(args.model).vocab_size
     _check(n >= 0, f"--max-new-tokens must be >= 0, got {n}")
+    _check_seed(args.seed)
+    _check(args.top_k is None or 1 <= args.top_k <= vocab,
+           f"--top-k {args.top_k}: top-k must be between 1 and {args.model}'s vocabulary size ({vocab})")
     if args.method == "naive":
         _check(args.cache == "dynamic", "--cache applies to --method cached; naive generation keeps no cache")
     check_sampling(args.temperature, args.top_k, args.top_p)
@@ -110,7 +130,15 @@ def check_generate(args) -> tuple:
         _check(not unused, f"{' and '.join(unused)} only matter when sampling, and --temperature 0 decodes "
                            "greedily; give --temperature > 0 or leave them out")
     _check(bool(args.prompt), "prompt is empty: pass --prompt with some text")
-    model, tokenizer = load_model(args.model, attention=args.attention, weights=args.weights)
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as e:   # bytes that are not UTF-8 reach sys.argv as lone surrogates
+        char = ord(e.object[e.start])
+        what = f"byte 0x{char - 0xdc00:02x}" if 0xdc80 <= char <= 0xdcff else f"character U+{char:04X}"
+        raise ValueError(f"--prompt is not valid UTF-8 text ({what} at position {e.start}); "
+                         "pass UTF-8 text") from None
+    model, tokenizer = _check_request(f"--model {args.model}", load_model, args.model, attention=args.attention,
+                                      weights=args.weights)
     ids = tokenizer.encode_chat(args.prompt) if args.chat else tokenizer.encode(args.prompt)
     limit = model.config.max_context
     _check(len(ids) <= limit, f"--prompt is {len(ids)} tokens, longer than {args.model}'s max_context ({limit})")
@@ -206,9 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weights", choices=list(WEIGHT_FORMATS), default="fp32",
                    help="weight format of the linear layers (fewer bytes: faster decoding)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-k", type=int, default=None,
+                   help="sample among the k most likely tokens (1 to the vocabulary size)")
     g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None, help="seed of the sampler, 0 to 2**63-1")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
     f = sub.add_parser("prefill", help="prefill a random prompt on one or several processes (single, tsp, kvr)",
@@ -225,16 +254,20 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="KVR: overlap communication with compute (isend/irecv)")
     f.add_argument("--repeat", type=int, default=3, help="timed runs after one warm-up, in the same processes")
-    f.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
+    f.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads per process (at most the cores this process may use)")
     f.add_argument("--attention", choices=sorted(ATTENTION_KERNELS), default="dense")
     f.add_argument("--bandwidth", type=float, default=None, help="simulated link bandwidth in GB/s")
     f.add_argument("--latency", type=float, default=0.0, help="simulated link latency in seconds")
-    f.add_argument("--noise", type=float, default=0.0, help="relative noise on the link between ranks 0 and 1")
+    f.add_argument("--noise", type=float, default=0.0,
+                   help=f"noise on the link between ranks 0 and 1, 0 to {MAX_NOISE:g}: the standard deviation of "
+                        "the relative slow-down (each message takes 1 + |N(0, noise)| times its modelled time)")
     f.add_argument("--backend", choices=list(BACKENDS), default=None, help="process group backend (default auto)")
     f.add_argument("--decode", type=int, default=0, help="greedy tokens to decode after the prefill")
-    f.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
+    f.add_argument("--seed", type=int, default=0, help="seed of the random prompt, 0 to 2**63-1")
     f.add_argument("--check", action="store_true", help="also prefill on one process and report the logit difference")
-    f.add_argument("--timeout", type=float, default=None, help="wall-clock limit in seconds (default 600)")
+    f.add_argument("--timeout", type=float, default=None,
+                   help=f"wall-clock limit in seconds, > 0 and at most {MAX_TIMEOUT_S:g} (default 600)")
     f.add_argument("--json", action="store_true")
 
     s = sub.add_parser("search", help="search the best KVR partition (simulated or measured cost)")
@@ -247,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the kernel whose cost is searched (measured runs, or the calibrated cost model; "
                         "default dense)")
     s.add_argument("--cost", choices=["simulated", "measured"], default="simulated")
-    s.add_argument("--min-stride", type=int, default=None, help="finest boundary step in tokens (default C/256)")
+    s.add_argument("--min-stride", type=int, default=None,
+                   help="finest boundary step in tokens, 1 to the context (default C/256)")
     s.add_argument("--repeat", type=int, default=None, help="measured cost: timed runs per partition (default 2)")
     s.add_argument("--cost-model", default=None, help="simulated cost: CostModel JSON (default: calibrate now)")
     s.add_argument("--bandwidth", type=float, default=None, help="link bandwidth in GB/s (simulated link)")
@@ -257,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     grading.add_arguments(sub.add_parser("grade", help="grade the exercises: points per exercise, Gradescope results.json"))
 
     b = sub.add_parser("bench", help="run the benchmarks and write their tables to a Markdown file")
-    b.add_argument("--out", default="docs/benchmarks.md")
+    b.add_argument("--out", default="docs/benchmarks.md", help="the Markdown file to (re)write; its folder must exist")
     b.add_argument("--only", choices=list(BENCH_SECTIONS), action="append",
                    help="run only these sections (repeatable); default: all")
     b.add_argument("--quick", action="store_true", help="fewer repeats and sizes (a smoke run, not for docs)")
@@ -276,7 +310,7 @@ def check_prefill(args) -> dict:
 
     Returns what ``cmd_prefill`` needs: the model spec, the prompt, the chunks per rank and the link.
     """
-    from .launch import launched_by_torchrun
+    from .launch import _resolve_backend, launched_by_torchrun
     from .parallel import LinkModel, ModelSpec, check_prefill_request
     from .partition import PartitionTable
 
@@ -284,8 +318,12 @@ def check_prefill(args) -> dict:
     cfg = get_config(args.model)
     _check_context(args.context, cfg, args.model)
     _check(args.repeat >= 1, f"--repeat must be at least 1, got {args.repeat}")
-    _check(args.threads >= 1, f"--threads must be at least 1, got {args.threads}")
-    _check(args.timeout is None or args.timeout > 0, f"--timeout must be > 0 seconds, got {args.timeout}")
+    cores = _usable_cores()
+    _check(1 <= args.threads <= cores, f"--threads {args.threads}: threads per process must be 1 to {cores}, "
+                                       "the cores this process may use")
+    _check(args.timeout is None or 0 < args.timeout <= MAX_TIMEOUT_S,   # nan and inf fail too
+           f"--timeout must be > 0 seconds and at most {MAX_TIMEOUT_S:g} (one day), got {args.timeout}")
+    _check_seed(args.seed)
     if args.bandwidth is None:
         _check(not args.latency and not args.noise, "--latency and --noise describe the simulated link: "
                                                     "give --bandwidth too")
@@ -294,6 +332,9 @@ def check_prefill(args) -> dict:
                f"--bandwidth must be a finite number of GB/s > 0, got {args.bandwidth}")
         _check(0 <= args.latency < float("inf") and 0 <= args.noise < float("inf"),
                f"--latency and --noise must be finite numbers >= 0, got {args.latency} and {args.noise}")
+        _check(args.noise <= MAX_NOISE, f"--noise {args.noise}: noise is the standard deviation of the relative "
+                                        f"slow-down of a message, 0 to {MAX_NOISE:g} (1 + |N(0, noise)| times "
+                                        "the modelled time)")
         _check(not single, "--bandwidth simulates the link between processes; --method single has none")
     _check(args.partition is None or args.partition_table is None,
            "give either --partition or --partition-table, not both")
@@ -312,6 +353,10 @@ def check_prefill(args) -> dict:
         _check(args.balance == "none", "--balance is not supported under torchrun; run without torchrun")
     p = (int(os.environ["WORLD_SIZE"]) if torchrun else args.world_size if args.world_size is not None
          else 1 if single else 2)
+    if args.backend not in (None, "auto"):   # nccl needs a GPU per rank of this machine
+        local_ranks = (int(os.environ.get("LOCAL_WORLD_SIZE", int(os.environ["LOCAL_RANK"]) + 1)) if torchrun
+                       else p)
+        _check_request(f"--backend {args.backend}", _resolve_backend, args.backend, local_ranks)
     partition = args.partition
     if args.partition_table:
         table = _from_file(PartitionTable.from_dict, args.partition_table, "--partition-table")
@@ -378,11 +423,14 @@ def check_search(args) -> dict:
     cfg, p, measured = get_config(args.model), args.world_size, args.cost == "measured"
     _check(p >= 2, f"--world-size must be at least 2 to have a partition to search, got {p}")
     spec = ModelSpec(args.model, attention=args.attention or "dense")
+    _check(args.min_stride is None or args.min_stride >= 1, f"--min-stride must be >= 1 token, got {args.min_stride}")
     for C in args.context:   # the searched partition must be one prefill can run
         _check_context(C, cfg, args.model)
         _check_request(f"--context {C} --world-size {p}", check_prefill_request,
                        spec, random_prompt(C, cfg.vocab_size), "kvr", p)
-    _check(args.min_stride is None or args.min_stride >= 1, f"--min-stride must be >= 1 token, got {args.min_stride}")
+        _check(args.min_stride is None or args.min_stride <= C,
+               f"--min-stride {args.min_stride} is longer than --context {C}: the finest boundary step must be "
+               f"1 to {C} tokens")
     if measured:
         _check(args.repeat is None or args.repeat >= 1, f"--repeat must be at least 1, got {args.repeat}")
         _check_process_limit(p, args.force)
@@ -397,7 +445,7 @@ def check_search(args) -> dict:
                "--attention picks the kernel to calibrate; a --cost-model file was calibrated for its own kernel")
     table = None
     if args.table:
-        _output_folder_exists(args.table, "--table")
+        _check_output_file(args.table, "--table")
         table = (_from_file(PartitionTable.from_dict, args.table, "--table") if Path(args.table).exists()
                  else PartitionTable(p))
         _check(table.world_size == p, f"--table {args.table} is a table for {table.world_size} processes, not {p}")
@@ -456,7 +504,7 @@ def cmd_search(args, plan: dict) -> int:
 
 
 def check_bench(args) -> None:
-    _output_folder_exists(args.out, "--out")
+    _check_output_file(args.out, "--out")
 
 
 def cmd_bench(args, _prepared=None) -> int:
@@ -464,6 +512,12 @@ def cmd_bench(args, _prepared=None) -> int:
 
     run_benchmarks(args.out, sections=args.only, quick=args.quick)
     return 0
+
+
+def check_grade(args) -> None:
+    from .grading.cli import check_arguments
+
+    check_arguments(args)
 
 
 def cmd_grade(args, _prepared=None) -> int:
@@ -478,15 +532,31 @@ def _nothing_to_check(args) -> None:
 # run does the work, and an exception there is a failure (or a bug) and keeps its traceback.
 COMMANDS = {"generate": (check_generate, cmd_generate), "demo": (_nothing_to_check, cmd_demo),
             "prefill": (check_prefill, cmd_prefill), "search": (check_search, cmd_search),
-            "bench": (check_bench, cmd_bench), "grade": (_nothing_to_check, cmd_grade)}
+            "bench": (check_bench, cmd_bench), "grade": (check_grade, cmd_grade)}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Exit code 0: done; 2: bad input (one line on stderr, nothing started);
-    1: a worker process failed or the run hit its time limit (the message names the rank); 130: Ctrl-C."""
-    from .launch import WorkerError
+    1: a worker process failed or the run hit its time limit (the message names the rank); 130: Ctrl-C;
+    143: SIGTERM (unwound like Ctrl-C: every worker ended, one line, no traceback)."""
+    from .supervise import Terminated, sigterm_as_interrupt
 
     torch.set_grad_enabled(False)
+    words = sys.argv[1:] if argv is None else argv
+    try:
+        with sigterm_as_interrupt():
+            return _main(argv)
+    except Terminated:                         # the launcher has already ended every worker
+        print(f"{words[0] if words and words[0] in COMMANDS else 'toyllm'}: stopped (SIGTERM)", file=sys.stderr)
+        return 143
+    except KeyboardInterrupt:                  # the launcher has already ended every worker
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
+    from .launch import WorkerError
+
     try:
         args = build_parser().parse_args(argv)
         check, run = COMMANDS[args.command]
@@ -502,6 +572,3 @@ def main(argv: list[str] | None = None) -> int:
     except (WorkerError, TimeoutError) as e:   # the message holds the failing rank's own traceback
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:                  # the launcher has already ended every worker
-        print("interrupted", file=sys.stderr)
-        return 130

@@ -223,7 +223,10 @@ def _signal_groups(procs: list, sig: int) -> None:
 # the worker side: runs in each spawned process
 
 def _send(conn, msg: tuple) -> None:
-    conn.send_bytes(pickle.dumps(msg))
+    try:
+        conn.send_bytes(pickle.dumps(msg))
+    except OSError:     # the parent is gone (killed, or it closed the pipe): nobody to report to, exit quietly
+        os._exit(1)
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:

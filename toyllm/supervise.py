@@ -4,6 +4,7 @@
 - ``die_with_parent``: in a child, ask the kernel to end it when its parent dies;
 - ``become_subreaper``: orphans of this process's descendants come back to it, not to PID 1;
 - ``describe_exit``: "was killed by SIGKILL (exit code -9)", for messages.
+- ``sigterm_as_interrupt``: SIGTERM unwinds like Ctrl-C (``Terminated``), so the same clean-up runs.
 
 Linux only where the kernel is asked (``prctl``); elsewhere those calls do nothing.
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import threading
+from contextlib import contextmanager
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -63,3 +66,24 @@ def describe_exit(exitcode: int | None) -> str:
             name = f"signal {-exitcode}"
         return f"was killed by {name} (exit code {exitcode})"
     return f"exited with code {exitcode}"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is, so it unwinds like Ctrl-C (every ``finally`` runs)."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+@contextmanager
+def sigterm_as_interrupt():
+    """Within the block, SIGTERM raises ``Terminated`` in the main thread; the previous handler comes back after."""
+    if threading.current_thread() is not threading.main_thread():    # only the main thread may set handlers
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

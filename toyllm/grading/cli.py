@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import signal
 import sys
 
@@ -9,6 +11,14 @@ from .course import course_root
 from .grader import GradingError, grade
 from .sandbox import DEFAULT_MEMORY_MB
 from .stubs import sync
+
+MAX_TIMEOUT_S = 3600      # --timeout: one test may take at most an hour
+MIN_MEMORY_MB = 1024      # --memory-mb: the sandbox must be able to import torch (grade() refuses less)
+
+
+def _physical_memory_mb() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of the ``grade`` command (shared by ``python -m toyllm grade``)."""
@@ -20,11 +30,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--extra-tests", default=None, metavar="DIR",
                         help="folder of additional (hidden) graded tests, marked like tests/grading")
     parser.add_argument("--results", default=None, metavar="PATH",
-                        help="also write the Gradescope-format results to this file (default: none)")
+                        help="also write the Gradescope-format results to this file, in an existing folder "
+                             "(default: none)")
     parser.add_argument("--timeout", type=float, default=20, metavar="S",
-                        help="seconds after which one test fails as timed out (default: 20)")
+                        help=f"seconds after which one test fails as timed out, > 0 and at most {MAX_TIMEOUT_S} "
+                             "(default: 20)")
     parser.add_argument("--memory-mb", type=int, default=DEFAULT_MEMORY_MB, metavar="MB",
-                        help=f"address-space limit of the submission's process (default: {DEFAULT_MEMORY_MB})")
+                        help=f"address-space limit of the submission's process in MiB, {MIN_MEMORY_MB} to this "
+                             f"machine's memory (default: {DEFAULT_MEMORY_MB})")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Every grade option checked before any test runs: a ValueError is one line naming the option."""
+    t = args.timeout
+    if not (math.isfinite(t) and 0 < t <= MAX_TIMEOUT_S):     # nan would disable every timeout
+        raise ValueError(f"--timeout {t}: the time limit of one test must be a number of seconds > 0 and at "
+                         f"most {MAX_TIMEOUT_S}")
+    top = max(_physical_memory_mb(), DEFAULT_MEMORY_MB)
+    if not MIN_MEMORY_MB <= args.memory_mb <= top:
+        raise ValueError(f"--memory-mb {args.memory_mb}: the address-space limit must be {MIN_MEMORY_MB} MiB "
+                         f"(enough to import torch) to {top} MiB (this machine's memory, or the default "
+                         f"{DEFAULT_MEMORY_MB} if larger)")
+    # --results is checked by grade() itself, before any test runs (a folder, a missing folder).
 
 
 def main(args: argparse.Namespace) -> int:
@@ -32,6 +59,11 @@ def main(args: argparse.Namespace) -> int:
     only = None
     if args.only:
         only = [part for chunk in args.only for part in chunk.split(",") if part.strip()]
+    try:
+        check_arguments(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     # SIGTERM (a CI job cancelled, a container stopped) unwinds like Ctrl-C, so the test processes end too.
     signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:

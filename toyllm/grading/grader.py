@@ -66,9 +66,13 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
                              f"submission (it runs as an unprivileged user): chmod -R o-rwx {extra_dir}")
     local = lesson_files(grading_tests_dir())
     pending, wanted, only_exercises = select(only, local, extra_dir)
-    if results_path is not None and not Path(results_path).expanduser().resolve().parent.is_dir():
-        raise ValueError(f"--results {results_path}: the folder {Path(results_path).expanduser().resolve().parent} "
-                         "does not exist; create it first")
+    if results_path is not None:
+        target = Path(results_path).expanduser()
+        if target.is_dir():
+            raise ValueError(f"--results {results_path} is a folder; give the path of a file to write")
+        if not target.resolve().parent.is_dir():
+            raise ValueError(f"--results {results_path}: the folder {target.resolve().parent} does not exist; "
+                             "create it first")
     if not pending:
         raise GradingError(f"no graded tests found in {grading_tests_dir()}")
 

@@ -149,7 +149,11 @@ class GradeReport:
         """Write results.json atomically: a new file replaces whatever was there (even a file someone else made)."""
         path = Path(path)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".results-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(self.to_gradescope(), indent=2) + "\n")
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(self.to_gradescope(), indent=2) + "\n")
+            os.replace(tmp, path)
+        except BaseException:            # a folder in the way, a full disk: no stray temporary file stays
+            os.unlink(tmp)
+            raise
         return path
