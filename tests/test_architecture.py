@@ -106,7 +106,7 @@ LAYERS = [
     {"toyllm.attention", "toyllm.quant"},
     {"toyllm.model"},
     {"toyllm.cache", "toyllm.paged", "toyllm.tokenizer", "toyllm.analysis"},
-    {"toyllm.weights", "toyllm.generation", "toyllm.launch", "toyllm.partition"},
+    {"toyllm.weights", "toyllm.generation", "toyllm.serving", "toyllm.launch", "toyllm.partition"},
     {"toyllm.parallel", "toyllm.simulate"},
 ]
 

@@ -1,0 +1,272 @@
+"""Serving many users: continuous batching and chunked prefill over a paged KV cache.
+
+Lessons 01-07 follow one request to its first token. A server holds many
+requests at once, arriving whenever their users press enter, with prompts
+and answers of every length. Three ways to schedule them, on the same model:
+
+- ``"static"``: a batch is formed from the requests waiting, prefilled, and
+  decoded together until its *last* sequence is done; only then does the
+  next batch start. A short answer waits for the longest one in its batch,
+  and a request that arrives meanwhile waits for the whole batch.
+- ``"continuous"`` (iteration-level batching, as in Orca): every iteration
+  is one forward over the sequences now running, one new token each; a
+  sequence that finishes leaves at once and a waiting request joins the
+  next iteration, its whole prompt in that iteration.
+- ``"chunked"`` (chunked prefill, as in Sarathi-Serve): the same, but each
+  iteration carries at most ``token_budget`` tokens: the decodes first (one
+  each), then as much of the waiting prompts as fits. A long prompt is fed
+  over several iterations, and the decodes never stall behind it.
+
+An iteration's forward is *ragged*: the new tokens of all its sequences lie
+in one row, (1, N, d_model). The matmuls (projections and MLP) see all N
+tokens at once, which is what batching buys on a CPU as on a GPU, while
+attention runs per sequence over that sequence's own paged KV cache, as a
+variable-length attention kernel does. RoPE takes each token's own position.
+
+Time is a clock in seconds: each iteration advances it by the iteration's
+measured compute time, requests arrive on it (a seeded Poisson workload,
+``poisson_workload``), and when nothing runs it jumps to the next arrival.
+TTFT of a request: from its arrival to the end of the iteration that
+produced its first token; TPOT: the mean time between its later tokens.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .paged import BlockPool, PagedKVCache
+
+POLICIES = ("static", "continuous", "chunked")
+
+
+@dataclass(frozen=True)
+class Request:
+    """One user's request: a prompt, how many tokens to answer, when it arrives (seconds on the clock)."""
+
+    id: int
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    arrival_s: float = 0.0
+
+
+@dataclass
+class RequestResult:
+    """What happened to one request (times in seconds on the serving clock)."""
+
+    id: int
+    output_ids: list[int]
+    arrival_s: float
+    first_token_s: float          # the end of the iteration that produced its first token
+    finish_s: float               # the end of the iteration that produced its last token
+    prompt_tokens_computed: int   # prompt tokens it ran through the model (fewer when a prefix was shared)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float:
+        """Mean seconds per output token after the first (0 for a one-token answer)."""
+        n = len(self.output_ids)
+        return (self.finish_s - self.first_token_s) / (n - 1) if n > 1 else 0.0
+
+
+@dataclass
+class ServeResult:
+    policy: str
+    requests: list[RequestResult]
+    clock_s: float                          # the clock when the last request finished
+    compute_s: float                        # seconds spent in forwards (the clock without idle jumps)
+    iteration_tokens: list[int] = field(default_factory=list)   # tokens in each iteration's forward
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(r.output_ids) for r in self.requests)
+
+    @property
+    def throughput(self) -> float:
+        """Output tokens per second of compute."""
+        return self.output_tokens / self.compute_s if self.compute_s > 0 else math.inf
+
+    def percentile(self, what: str, q: float) -> float:
+        """The q-th percentile (0-100, nearest rank) of ``"ttft_s"`` or ``"tpot_s"`` over the requests."""
+        values = sorted(getattr(r, what) for r in self.requests)
+        return values[min(len(values) - 1, max(0, math.ceil(q / 100 * len(values)) - 1))]
+
+
+def poisson_workload(n_requests: int, rate_per_s: float, vocab_size: int, *, prompt_tokens=(16, 96),
+                     new_tokens=(4, 32), shared_prefix: int = 0, seed: int = 0) -> list[Request]:
+    """``n_requests`` requests arriving as a Poisson process of ``rate_per_s`` requests per second.
+
+    Prompt and answer lengths are uniform in the given (low, high) ranges of
+    tokens; the first ``shared_prefix`` tokens of every prompt are the same
+    (a system prompt). The same seed gives the same workload.
+    """
+    if n_requests < 1 or not rate_per_s > 0 or not math.isfinite(rate_per_s):
+        raise ValueError(f"need n_requests >= 1 and a finite rate > 0, got {n_requests}, {rate_per_s}")
+    rng = random.Random(seed)
+    system = [rng.randrange(vocab_size) for _ in range(shared_prefix)]
+    clock, requests = 0.0, []
+    for i in range(n_requests):
+        clock += rng.expovariate(rate_per_s)
+        own = [rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_tokens))]
+        requests.append(Request(i, tuple(system + own), rng.randint(*new_tokens), clock))
+    return requests
+
+
+@torch.no_grad()
+def ragged_forward(model, segments: list[tuple[PagedKVCache, list[int]]]) -> torch.Tensor:
+    """One forward over several sequences' new tokens; the float32 logits of each one's last token.
+
+    segments: (the sequence's cache, its new token ids); each cache gets its
+    tokens' keys and values. Returns (len(segments), vocab).
+    """
+    lengths = [len(ids) for _, ids in segments]
+    starts = [cache.length for cache, _ in segments]
+    ids = torch.tensor([[t for _, seg in segments for t in seg]])                        # (1, N)
+    pos = torch.cat([model.positions(s, n) for s, n in zip(starts, lengths)])            # (N,)
+    cos, sin = model.rope_cos[pos], model.rope_sin[pos]                                  # (N, head_dim/2)
+    ends = torch.tensor(lengths).cumsum(0).tolist()
+    x = model.embed(ids)                                                                 # (1, N, d_model)
+    for i, layer in enumerate(model.layers):
+        q, k, v = layer.qkv(x, cos, sin)                          # (1, H, N, D), (1, Hkv, N, D)
+        out = []
+        for (cache, _), s, n, end in zip(segments, starts, lengths, ends):
+            k_all, v_all = cache.update(i, k[:, :, end - n:end], v[:, :, end - n:end])   # (1, Hkv, s + n, D)
+            out.append(layer.attend(q[:, :, end - n:end], k_all, v_all, pos[end - n:end],
+                                    model.positions(0, s + n), model.attention))          # (1, n, d_model)
+        x = layer.finish(x, torch.cat(out, dim=1))                # (1, N, d_model)
+    return model.head(x[:, [e - 1 for e in ends]])[0]            # (len(segments), vocab)
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    cache: PagedKVCache
+    fed: int                              # prompt tokens in the cache
+    computed: int = 0                     # prompt tokens run through the model
+    output_ids: list[int] = field(default_factory=list)
+    first_token_s: float = math.nan
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.request.prompt_ids)
+
+    @property
+    def done(self) -> bool:
+        return len(self.output_ids) >= self.request.max_new_tokens
+
+
+def _blocks_for(request: Request, block_size: int) -> int:
+    return math.ceil((len(request.prompt_ids) + request.max_new_tokens) / block_size)
+
+
+def serve(model, requests: list[Request], policy: str = "chunked", *, max_batch: int = 8, token_budget: int = 64,
+          block_size: int = 16, share_prefixes: bool = False, progress: bool = False) -> ServeResult:
+    """Run ``requests`` on ``model`` under ``policy`` (see the module docstring); greedy decoding.
+
+    max_batch: sequences running at once. token_budget: tokens per iteration
+    (``"chunked"`` only). block_size: tokens per KV block; the pool holds
+    enough blocks for ``max_batch`` of the longest request, and a request is
+    admitted only when the blocks it can reach are free. share_prefixes: a
+    prompt that begins like an earlier one reuses its cached whole blocks.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    for name, value in (("max_batch", max_batch), ("token_budget", token_budget), ("block_size", block_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if not requests:
+        raise ValueError("no requests to serve")
+    if policy == "chunked" and token_budget < max_batch + 1:
+        raise ValueError(f"token_budget {token_budget} leaves no room for a prompt chunk beside {max_batch} "
+                         f"decodes: give at least max_batch + 1 = {max_batch + 1}")
+    longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+    if longest > model.config.max_context:
+        raise ValueError(f"a request needs {longest} positions, over the model's max_context "
+                         f"{model.config.max_context}")
+    if any(r.max_new_tokens < 1 or not r.prompt_ids for r in requests):
+        raise ValueError("every request needs a prompt and max_new_tokens >= 1")
+    cfg = model.config
+    pool = BlockPool.for_model(cfg, max_batch * math.ceil(longest / block_size), block_size,
+                               dtype=model.lm_head.weight.dtype)
+    waiting = sorted(requests, key=lambda r: (r.arrival_s, r.id))
+    running: list[_Sequence] = []
+    finished: list[RequestResult] = []
+    reserved = 0                                      # blocks promised to running sequences
+    clock = compute = 0.0
+    iteration_tokens: list[int] = []
+    bar = _progress(len(requests)) if progress else None
+
+    def admit(limit: int) -> None:
+        nonlocal reserved
+        while waiting and waiting[0].arrival_s <= clock and len(running) < limit:
+            need = _blocks_for(waiting[0], block_size)
+            if reserved + need > pool.n_blocks:
+                break
+            r = waiting.pop(0)
+            cache = PagedKVCache.for_prompt(pool, list(r.prompt_ids)) if share_prefixes else PagedKVCache(pool)
+            reserved += need
+            running.append(_Sequence(r, cache, fed=cache.length))
+
+    while waiting or running:
+        if policy == "static":
+            if not running:
+                admit(max_batch)
+        else:
+            admit(max_batch)
+        if not running:
+            clock = max(clock, waiting[0].arrival_s)       # nothing to do until the next request arrives
+            continue
+        segments, budget = [], token_budget
+        for seq in running:                                # decodes first: one token each
+            if not seq.prefilling and not seq.done:
+                segments.append((seq, [seq.output_ids[-1]]))
+                budget -= 1
+        for seq in running:                                # then prompts: whole, or what the budget leaves
+            if seq.prefilling:
+                rest = len(seq.request.prompt_ids) - seq.fed
+                n = rest if policy != "chunked" else min(rest, budget)
+                if n > 0:
+                    segments.append((seq, list(seq.request.prompt_ids[seq.fed:seq.fed + n])))
+                    budget -= n
+        t0 = time.perf_counter()
+        logits = ragged_forward(model, [(seq.cache, ids) for seq, ids in segments])
+        spent = time.perf_counter() - t0
+        clock += spent
+        compute += spent
+        iteration_tokens.append(sum(len(ids) for _, ids in segments))
+        for (seq, ids), row in zip(segments, logits):
+            if seq.prefilling:
+                seq.fed += len(ids)
+                seq.computed += len(ids)
+                if seq.prefilling:
+                    continue                               # a chunk that did not reach the prompt's end
+                if share_prefixes:
+                    seq.cache.register_prompt(list(seq.request.prompt_ids))
+                seq.first_token_s = clock
+            seq.output_ids.append(int(row.argmax()))
+        for seq in [s for s in running if s.done]:
+            if policy == "static" and not all(s.done for s in running):
+                break                                      # a static batch leaves together
+            running.remove(seq)
+            seq.cache.release()
+            reserved -= _blocks_for(seq.request, block_size)
+            r = seq.request
+            finished.append(RequestResult(r.id, seq.output_ids, r.arrival_s, seq.first_token_s, clock, seq.computed))
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    finished.sort(key=lambda r: r.id)
+    return ServeResult(policy, finished, clock, compute, iteration_tokens)
+
+
+def _progress(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="request", desc="serving")
