@@ -107,6 +107,19 @@ TINY = ["--model", "tiny", "--context", "64"]
     (["search", "--model", "tiny", "--context", "512", "--min-stride", "100000"], "--min-stride 100000 is longer "
                                                                                   "than --context 512: the finest "
                                                                                   "boundary step must be 1 to 512"),
+    (["serve", "--token-budget", "4"], "--token-budget 4 leaves no room for a prompt chunk beside 8 decodes"),
+    (["serve", "--max-batch", "0"], "--max-batch must be an int >= 1, got 0"),
+    (["serve", "--block-size", "0"], "--block-size must be an int >= 1"),
+    (["serve", "--prompt-tokens", "9", "3"], "--prompt-tokens must be a range (low, high) with 1 <= low <= high"),
+    (["serve", "--new-tokens", "0", "3"], "--new-tokens must be a range"),
+    (["serve", "--shared-prefix", "-1"], "--shared-prefix must be >= 0 tokens"),
+    (["serve", "--shared-prefix", "4000"], "--shared-prefix + --prompt-tokens MAX + --new-tokens MAX = 4192 tokens, "
+                                           "over tiny's max_context (1024)"),
+    (["serve", "--rate", "inf"], "--rate inf: arrivals per second must be finite and > 0"),
+    (["serve", "--rate", "0"], "--rate 0.0: arrivals per second"),
+    (["serve", "--requests", "0"], "--requests 0: give 1 to 10000 requests"),
+    (["serve", "--seed", "-1"], "--seed -1: a seed is an integer from 0"),
+    (["serve", "--policy", "fastest"], "--policy: invalid choice"),
     (["generate", "--model", "tiny", "--prompt", "x", "--temperature", "nan"], "temperature must be a finite"),
     (["generate", "--model", "tiny", "--prompt", "x", "--temperature", "inf"], "temperature must be a finite"),
     (["generate", "--model", "tiny", "--prompt", "x", "--top-k", "5"], "--top-k only matter when sampling"),
@@ -124,7 +137,9 @@ TINY = ["--model", "tiny", "--context", "64"]
      "--top-k 100000: top-k must be between 1 and smollm2-135m's vocabulary size (49152)"),
     (["bench", "--out", ".", "--quick"], "--out . is a folder; give the path of a file to write"),
 ])
-def test_cli_rejects_bad_flags_before_any_work(capsys, no_workers, argv, names):
+def test_cli_rejects_bad_flags_before_any_work(capsys, monkeypatch, no_workers, argv, names):
+    if argv[0] == "serve":              # every serve flag is checked before the model loads
+        monkeypatch.setattr(toyllm, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     assert names in cli_error(capsys, argv)
 
 

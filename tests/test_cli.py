@@ -94,3 +94,21 @@ def test_cli_chat_answer_names_paris():
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert "Paris" in result["text"]
+
+
+def test_serve_json_runs_every_policy_on_the_same_workload(capsys):
+    out = run_json(capsys, ["serve", "--requests", "6", "--rate", "100", "--prompt-tokens", "4", "12",
+                            "--new-tokens", "2", "6", "--max-batch", "3", "--token-budget", "8", "--json"])
+    assert list(out["policies"]) == ["static", "continuous", "chunked"]
+    tokens = {p: row["output_tokens"] for p, row in out["policies"].items()}
+    assert len(set(tokens.values())) == 1                      # the same requests, the same answers' lengths
+    for row in out["policies"].values():
+        assert 0 < row["compute_s"] <= row["clock_s"] and row["ttft_p50_s"] <= row["ttft_p99_s"]
+        assert row["throughput_tok_per_s"] > 0 and row["iterations"] >= 6
+
+
+def test_serve_prints_a_table_with_one_row_per_policy(capsys):
+    assert main(["serve", "--requests", "3", "--prompt-tokens", "4", "8", "--new-tokens", "2", "3",
+                 "--policy", "chunked"]) == 0
+    out = capsys.readouterr().out
+    assert "TTFT p50" in out and out.strip().splitlines()[-1].startswith("chunked")

@@ -110,9 +110,30 @@ def test_a_prompt_with_a_known_prefix_reuses_its_blocks_and_computes_only_the_re
     want = _run(model, DynamicKVCache(model.config.n_layers), second_ids, [len(second_ids)])
     torch.testing.assert_close(logits[:, -1], want[:, -1], rtol=0, atol=1e-5)
     first.release()
-    assert pool.prefix_blocks(second_ids) == second.table[:2]          # still held, and still found
+    system_blocks = second.table[:2]
+    assert pool.prefix_blocks(second_ids) == system_blocks          # still held, and still found
     second.release()
-    assert pool.used_blocks == 0 and pool.prefix_blocks(second_ids) == []   # freed blocks are forgotten
+    assert pool.used_blocks == 0 and pool.free_blocks == pool.n_blocks
+    assert pool.prefix_blocks(second_ids) == system_blocks          # free, but its rows kept and findable
+    third = PagedKVCache.for_prompt(pool, system + [9])
+    assert third.table == system_blocks and third.length == 8
+    logits = model(torch.tensor([(system + [9])[third.length:]]), cache=third)
+    want = _run(model, DynamicKVCache(model.config.n_layers), system + [9], [11])
+    torch.testing.assert_close(logits[:, -1], want[:, -1], rtol=0, atol=1e-5)
+
+
+@torch.no_grad()
+def test_a_kept_prefix_gives_its_room_back_when_the_pool_needs_it(model):
+    pool = _pool(model, n_blocks=4, block_size=4)
+    system = random_prompt(8, model.config.vocab_size, seed=8)
+    a = PagedKVCache(pool)
+    _run(model, a, system + [1], [9])
+    a.register_prompt(system + [1])
+    a.release()
+    assert pool.prefix_blocks(system + [2]) != []
+    b = PagedKVCache(pool)
+    _run(model, b, random_prompt(16, model.config.vocab_size, seed=9), [16])     # needs all four blocks
+    assert pool.used_blocks == 4 and pool.prefix_blocks(system + [2]) == []   # the kept prefix was taken back
 
 
 def test_bad_pools_and_batches_are_refused(model):

@@ -1,6 +1,6 @@
 """Command line: ``python -m toyllm <command> ...``.
 
-Commands: demo, generate, prefill, search, bench, grade. Every command that
+Commands: demo, generate, prefill, search, serve, bench, grade. Every command that
 measures something accepts ``--json`` and then prints one JSON object.
 
 Each command is two functions: ``check_*`` turns the flags into what the work
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -23,6 +24,7 @@ from .attention import ATTENTION_KERNELS
 from .cache import CACHES
 from .model import PRESETS, get_config
 from .quant import WEIGHT_FORMATS
+from .serving import POLICIES as SERVING_POLICIES
 from .utils import TextStreamer, random_prompt
 
 # More processes than this per core only time-slice the same cores (and, with gloo,
@@ -288,6 +290,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--table", default=None, help="add the results to this partition table (JSON; created if missing)")
     s.add_argument("--json", action="store_true")
 
+    v = sub.add_parser("serve", help="serve a seeded workload of many requests: static, continuous or chunked "
+                                     "batching over a paged KV cache")
+    v.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model preset")
+    v.add_argument("--policy", choices=[*SERVING_POLICIES, "all"], default="all",
+                   help="how requests share the iterations (default: all three, on the same workload)")
+    v.add_argument("--requests", type=int, default=32, help="requests in the workload (1 to 10000)")
+    v.add_argument("--rate", type=float, default=20.0, help="arrivals per second (a Poisson process), > 0")
+    v.add_argument("--prompt-tokens", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"),
+                   help="prompt lengths, uniform in [MIN, MAX] tokens")
+    v.add_argument("--new-tokens", type=int, nargs=2, default=(8, 64), metavar=("MIN", "MAX"),
+                   help="answer lengths, uniform in [MIN, MAX] tokens")
+    v.add_argument("--shared-prefix", type=int, default=0, help="tokens of a system prompt every prompt starts with")
+    v.add_argument("--share-prefixes", action="store_true", help="reuse the cached blocks of a shared prefix")
+    v.add_argument("--max-batch", type=int, default=8, help="sequences running at once")
+    v.add_argument("--token-budget", type=int, default=64, help="tokens per iteration (chunked policy)")
+    v.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    v.add_argument("--seed", type=int, default=0, help="seed of the workload, 0 to 2**63-1")
+    v.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
     grading.add_arguments(sub.add_parser("grade", help="grade the exercises: points per exercise, Gradescope results.json"))
 
     b = sub.add_parser("bench", help="run the benchmarks and write their tables to a Markdown file")
@@ -503,6 +524,65 @@ def cmd_search(args, plan: dict) -> int:
     return 0
 
 
+def check_serve(args) -> tuple:
+    """Every serve flag, the workload and the model, before any request runs; returns (model, workload, policies)."""
+    from . import load_model
+    from .serving import check_settings, poisson_workload
+
+    _check(1 <= args.requests <= 10_000, f"--requests {args.requests}: give 1 to 10000 requests")
+    _check(math.isfinite(args.rate) and args.rate > 0, f"--rate {args.rate}: arrivals per second must be finite "
+                                                        "and > 0")
+    _check_seed(args.seed)
+    def as_flags(check, *call_args, **kwargs):      # the library's rule, its message in the flags' names
+        try:
+            return check(*call_args, **kwargs)
+        except ValueError as e:
+            message = str(e)
+            for name in ("max_batch", "token_budget", "block_size", "prompt_tokens", "new_tokens", "shared_prefix"):
+                message = message.replace(name, "--" + name.replace("_", "-"))
+            raise ValueError(message) from None
+
+    policies = list(SERVING_POLICIES) if args.policy == "all" else [args.policy]
+    for policy in policies:
+        as_flags(check_settings, policy, args.max_batch, args.token_budget, args.block_size)
+    cfg = get_config(args.model)
+    workload = as_flags(poisson_workload, args.requests, args.rate, cfg.vocab_size,
+                        prompt_tokens=tuple(args.prompt_tokens), new_tokens=tuple(args.new_tokens),
+                        shared_prefix=args.shared_prefix, seed=args.seed)
+    longest = args.shared_prefix + args.prompt_tokens[1] + args.new_tokens[1]
+    _check(longest <= cfg.max_context, f"--shared-prefix + --prompt-tokens MAX + --new-tokens MAX = {longest} "
+                                       f"tokens, over {args.model}'s max_context ({cfg.max_context})")
+    model, _ = _check_request(f"--model {args.model}", load_model, args.model)
+    return model, workload, policies
+
+
+def cmd_serve(args, prepared: tuple) -> int:
+    from .serving import serve
+
+    model, workload, policies = prepared
+    results = {p: serve(model, workload, p, max_batch=args.max_batch, token_budget=args.token_budget,
+                        block_size=args.block_size, share_prefixes=args.share_prefixes, progress=not args.json)
+               for p in policies}
+    rows = {p: {"throughput_tok_per_s": r.throughput, "clock_s": r.clock_s, "compute_s": r.compute_s,
+                "ttft_p50_s": r.percentile("ttft_s", 50), "ttft_p99_s": r.percentile("ttft_s", 99),
+                "tpot_p50_s": r.percentile("tpot_s", 50), "tpot_p99_s": r.percentile("tpot_s", 99),
+                "iterations": len(r.iteration_tokens), "output_tokens": r.output_tokens}
+            for p, r in results.items()}
+    if args.json:
+        print(json.dumps({"model": args.model, "requests": args.requests, "rate_per_s": args.rate,
+                          "max_batch": args.max_batch, "token_budget": args.token_budget,
+                          "block_size": args.block_size, "seed": args.seed, "policies": rows}))
+        return 0
+    print(f"{args.requests} requests at {args.rate:g}/s on {args.model} (seed {args.seed}), batch of "
+          f"{args.max_batch}, times on a clock of measured compute (seconds)")
+    print(f"{'policy':<11} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} "
+          f"{'iterations':>10}")
+    for p, row in rows.items():
+        print(f"{p:<11} {row['throughput_tok_per_s']:9.1f} {row['ttft_p50_s']:9.3f} {row['ttft_p99_s']:9.3f} "
+              f"{row['tpot_p50_s']:9.4f} {row['tpot_p99_s']:9.4f} {row['iterations']:10d}")
+    return 0
+
+
 def check_bench(args) -> None:
     _check_output_file(args.out, "--out")
 
@@ -532,7 +612,7 @@ def _nothing_to_check(args) -> None:
 # run does the work, and an exception there is a failure (or a bug) and keeps its traceback.
 COMMANDS = {"generate": (check_generate, cmd_generate), "demo": (_nothing_to_check, cmd_demo),
             "prefill": (check_prefill, cmd_prefill), "search": (check_search, cmd_search),
-            "bench": (check_bench, cmd_bench), "grade": (check_grade, cmd_grade)}
+            "serve": (check_serve, cmd_serve), "bench": (check_bench, cmd_bench), "grade": (check_grade, cmd_grade)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,10 @@ whose prompt starts with a prefix another sequence already computed
 the sequences that use it. Writing into a block that another sequence
 still reads copies it first (*copy-on-write*), so sharing never changes
 what another sequence sees; a block returns to the pool when its last user
-releases it.
+releases it. A returned block that holds a registered prompt prefix keeps
+its rows and stays findable until the pool needs its room (the least
+recently returned goes first), so a system prompt computed once serves
+the requests that come after, even when none is running in between.
 
 ``PagedKVCache`` has the interface of the caches in ``toyllm.cache``
 (``update``, ``length``, ``keys``, ``values``), so ``model(ids, cache=...)``
@@ -53,6 +56,7 @@ class BlockPool:
         self.v = torch.zeros(shape, dtype=dtype)
         self.refs = [0] * n_blocks
         self._free = list(range(n_blocks - 1, -1, -1))        # popped from the end: block 0 first
+        self._cached: dict[int, None] = {}                     # free, but holding a registered prefix (oldest first)
         self._by_prefix: dict[tuple[int, ...], int] = {}       # tokens up to a block's end -> that block
         self._prefix_of: dict[int, tuple[int, ...]] = {}       # and back, to forget it when the block is freed
 
@@ -67,7 +71,8 @@ class BlockPool:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks no sequence uses (those holding a registered prefix included: they can be taken back)."""
+        return len(self._free) + len(self._cached)
 
     @property
     def used_blocks(self) -> int:
@@ -84,18 +89,27 @@ class BlockPool:
         return self.k.nbytes + self.v.nbytes
 
     def allocate(self) -> int:
-        """A free block, now used once; MemoryError when none is left."""
-        if not self._free:
+        """A free block, now used once: one never registered, else the longest-free registered one (its prefix
+        forgotten); MemoryError when every block is in use."""
+        if self._free:
+            block = self._free.pop()
+        elif self._cached:
+            block = next(iter(self._cached))
+            del self._cached[block]
+            del self._by_prefix[self._prefix_of.pop(block)]
+        else:
             raise MemoryError(f"the KV pool's {self.n_blocks} blocks of {self.block_size} tokens are all in use: "
                               "release finished sequences, or build a larger pool")
-        block = self._free.pop()
         self.refs[block] = 1
         return block
 
     def share(self, block: int) -> None:
-        """One more sequence uses ``block`` (it must be in use)."""
-        if self.refs[block] < 1:
-            raise ValueError(f"block {block} is free: only a block in use can be shared")
+        """One more sequence uses ``block``: one in use, or a free one still holding a registered prefix."""
+        if self.refs[block] == 0:
+            if block not in self._cached:
+                raise ValueError(f"block {block} is free: only a block in use or holding a registered prefix "
+                                 "can be shared")
+            del self._cached[block]
         self.refs[block] += 1
 
     def release(self, block: int) -> None:
@@ -104,10 +118,10 @@ class BlockPool:
             raise ValueError(f"block {block} is already free")
         self.refs[block] -= 1
         if self.refs[block] == 0:
-            prefix = self._prefix_of.pop(block, None)
-            if prefix is not None:
-                del self._by_prefix[prefix]
-            self._free.append(block)
+            if block in self._prefix_of:
+                self._cached[block] = None         # keeps its rows, findable until its room is needed
+            else:
+                self._free.append(block)
 
     def copy_on_write(self, block: int) -> int:
         """A block only the caller uses, with ``block``'s rows: ``block`` itself if nobody else uses it,

@@ -108,6 +108,11 @@ def poisson_workload(n_requests: int, rate_per_s: float, vocab_size: int, *, pro
     """
     if n_requests < 1 or not rate_per_s > 0 or not math.isfinite(rate_per_s):
         raise ValueError(f"need n_requests >= 1 and a finite rate > 0, got {n_requests}, {rate_per_s}")
+    for name, (low, high) in (("prompt_tokens", prompt_tokens), ("new_tokens", new_tokens)):
+        if not 1 <= low <= high:
+            raise ValueError(f"{name} must be a range (low, high) with 1 <= low <= high, got ({low}, {high})")
+    if shared_prefix < 0:
+        raise ValueError(f"shared_prefix must be >= 0 tokens, got {shared_prefix}")
     rng = random.Random(seed)
     system = [rng.randrange(vocab_size) for _ in range(shared_prefix)]
     clock, requests = 0.0, []
@@ -161,6 +166,18 @@ class _Sequence:
         return len(self.output_ids) >= self.request.max_new_tokens
 
 
+def check_settings(policy: str, max_batch: int, token_budget: int, block_size: int) -> None:
+    """A ValueError naming the first setting of ``serve`` that cannot work."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    for name, value in (("max_batch", max_batch), ("token_budget", token_budget), ("block_size", block_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if policy == "chunked" and token_budget < max_batch + 1:
+        raise ValueError(f"token_budget {token_budget} leaves no room for a prompt chunk beside {max_batch} "
+                         f"decodes: give at least max_batch + 1 = {max_batch + 1}")
+
+
 def _blocks_for(request: Request, block_size: int) -> int:
     return math.ceil((len(request.prompt_ids) + request.max_new_tokens) / block_size)
 
@@ -175,16 +192,9 @@ def serve(model, requests: list[Request], policy: str = "chunked", *, max_batch:
     admitted only when the blocks it can reach are free. share_prefixes: a
     prompt that begins like an earlier one reuses its cached whole blocks.
     """
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    for name, value in (("max_batch", max_batch), ("token_budget", token_budget), ("block_size", block_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    check_settings(policy, max_batch, token_budget, block_size)
     if not requests:
         raise ValueError("no requests to serve")
-    if policy == "chunked" and token_budget < max_batch + 1:
-        raise ValueError(f"token_budget {token_budget} leaves no room for a prompt chunk beside {max_batch} "
-                         f"decodes: give at least max_batch + 1 = {max_batch + 1}")
     longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
     if longest > model.config.max_context:
         raise ValueError(f"a request needs {longest} positions, over the model's max_context "
