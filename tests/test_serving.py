@@ -106,3 +106,18 @@ def test_a_bad_workload_is_refused(model):
         serve(model, [Request(0, (1,) * model.config.max_context, 4)])
     with pytest.raises(ValueError, match="finite rate > 0"):
         poisson_workload(3, 0.0, 256)
+
+
+def test_the_paging_explorer_counts_whole_blocks_and_the_static_reservation():
+    from toyllm.model import get_config
+    from toyllm.widgets import PagingExplorer
+
+    cfg = get_config("smollm2-135m")
+    e = PagingExplorer(cfg, [30, 70, 120, 9], max_tokens=2048, block_size=16, plot=False)
+    per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4          # float32 K and V, bytes
+    assert e.used_bytes == 229 * per_token and e.paged_bytes == (32 + 80 + 128 + 16) * per_token
+    assert e.static_bytes == 4 * 2 * 2047 * per_token and e.unused_share == pytest.approx(27 / 256)
+    e.block_size.value = 1
+    assert e.paged_bytes == e.used_bytes and e.unused_share == 0
+    with pytest.raises(ValueError, match="lengths must be 1 to max_tokens"):
+        PagingExplorer(cfg, [3000], max_tokens=2048, plot=False)

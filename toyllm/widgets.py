@@ -461,3 +461,52 @@ class NetworkExplorer(_Explorer):
         if self.plot:
             self._show(viz.plot_bars({k: 1e3 * t for k, t in self.times_s.items()}, ylabel="TTFT (ms)",
                                      title=f"simulated, {C} tokens, {self.bandwidth.value:.3g} GB/s links"))
+
+
+# --------------------------------------------------------------------------- lesson 08: serving
+
+class PagingExplorer(_Explorer):
+    """Block size -> KV memory a batch of sequences reserves: a static buffer each, or blocks of a paged pool.
+
+    lengths: tokens each sequence holds now; max_tokens: the longest sequence
+    the static buffer must fit (S). A static cache (lesson 02) reserves
+    2(S-1) rows per sequence (``reserve=2``); a paged one reserves whole
+    blocks, ``ceil(length / block_size)`` of them. Kept as attributes:
+    ``used_bytes``, ``paged_bytes``, ``static_bytes`` and ``unused_share``
+    (the share of the paged reservation no token uses).
+    """
+
+    def __init__(self, cfg, lengths: Sequence[int], max_tokens: int, block_size: int = 16,
+                 bytes_per_value: float = 4, plot: bool = True):
+        super().__init__(plot)
+        if not lengths or min(lengths) < 1 or max(lengths) > max_tokens:
+            raise ValueError(f"lengths must be 1 to max_tokens ({max_tokens}) tokens each, got {list(lengths)[:8]}")
+        self.cfg, self.lengths, self.max_tokens, self.bytes_per_value = cfg, list(lengths), max_tokens, bytes_per_value
+        self.block_size = W.IntSlider(block_size, min=1, max=256, description="block size (tokens)", **_SLIDER)
+        self._observe(self.block_size)
+        self.widget = W.VBox([self.block_size, self.text, self.out])
+        self.update()
+
+    def _bytes(self, tokens: int) -> float:
+        cfg = self.cfg
+        return analysis.kv_cache_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, tokens, self.bytes_per_value)
+
+    def update(self) -> None:
+        import math
+
+        bs = self.block_size.value
+        used = sum(self.lengths)
+        paged = sum(math.ceil(n / bs) * bs for n in self.lengths)
+        static = len(self.lengths) * 2 * (self.max_tokens - 1)
+        self.used_bytes, self.paged_bytes, self.static_bytes = self._bytes(used), self._bytes(paged), self._bytes(static)
+        self.unused_share = 1 - used / paged
+        self.text.value = (f"{len(self.lengths)} sequences, {used:,} tokens: the tokens need "
+                           f"{_fmt_bytes(self.used_bytes)}<br>paged, blocks of {bs}: {_fmt_bytes(self.paged_bytes)} "
+                           f"reserved ({100 * self.unused_share:.1f}% of it unused, the tails of last blocks)<br>"
+                           f"static, 2(S-1) rows each for S = {self.max_tokens}: {_fmt_bytes(self.static_bytes)} "
+                           f"({self.static_bytes / self.paged_bytes:.1f}x the paged reservation)")
+        if self.plot:
+            mb = 1e6                                                   # bytes per MB
+            self._show(viz.plot_bars({"tokens": self.used_bytes / mb, f"paged ({bs})": self.paged_bytes / mb,
+                                      "static": self.static_bytes / mb}, ylabel="KV cache (MB)",
+                                     title=f"{len(self.lengths)} sequences, KV memory reserved"))
