@@ -78,7 +78,9 @@ def break_even_context(speedup, lo: int, hi: int) -> int | None:
     parallel``, assumed to grow with the context. Return the smallest
     integer context in [lo, hi] with speedup(context) >= 1 (a Python int),
     or None when even ``hi`` does not reach 1. Bisect: about log2(hi - lo)
-    calls, not one per context. Raises ValueError when lo < 1 or hi < lo.
+    calls, not one per context; the graded tests allow at most
+    2 * (hi - lo).bit_length() + 4 distinct contexts (34 for lo=16,
+    hi=32768). Raises ValueError when lo < 1 or hi < lo.
     """
     raise NotImplementedError(
         "Exercise 7.4: implement break_even_context (idea: the speedup crosses 1 somewhere in the "

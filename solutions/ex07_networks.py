@@ -107,7 +107,9 @@ def break_even_context(speedup, lo: int, hi: int) -> int | None:
     parallel``, assumed to grow with the context. Return the smallest
     integer context in [lo, hi] with speedup(context) >= 1 (a Python int),
     or None when even ``hi`` does not reach 1. Bisect: about log2(hi - lo)
-    calls, not one per context. Raises ValueError when lo < 1 or hi < lo.
+    calls, not one per context; the graded tests allow at most
+    2 * (hi - lo).bit_length() + 4 distinct contexts (34 for lo=16,
+    hi=32768). Raises ValueError when lo < 1 or hi < lo.
     """
     # BEGIN SOLUTION 7.4 hint: if speedup(hi) < 1: None; if speedup(lo) >= 1: lo; else keep speedup(a) < 1 <= speedup(b) and halve [a, b] until b == a + 1
     # idea: the speedup crosses 1 somewhere in the interval: keep one end below 1 and one at or above, and halve the gap

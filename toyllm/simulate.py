@@ -334,6 +334,7 @@ def simulate_prefill(cfg: ModelConfig, chunks: Sequence[int], method: str, cost_
     return SimResult(finish[-1], finish, events or [], method, list(chunks))
 
 
+@shortcut("7.3")          # the KV-Runahead timing itself: off limits to Exercise 7.3 like simulate_prefill
 def _simulate_kvr(cfg, chunks, cm: CostModel, overlap: bool, noise: LinkNoise, events) -> list[float]:
     p, L = len(chunks), cfg.n_layers
     row_bytes = cfg.n_kv_heads * cfg.head_dim * cm.bytes_per_value     # one token's K (or V) in one layer

@@ -13,11 +13,19 @@ fails its tests one by one instead of breaking collection.
 
 Every test here carries ``@pytest.mark.exercise("N.M")`` and
 ``@pytest.mark.points(P)``; ``python -m toyllm grade`` adds them up.
+
+Every exercise also has cases drawn at grading time (the ``drawn``
+fixture), from a seed the grader picks per run (``$TOYLLM_GRADE_SEED``;
+a fresh random one when it is unset), so that no table of the visible test
+vectors passes. A failing drawn case names the seed: run the tests again
+with ``TOYLLM_GRADE_SEED=<seed>`` to see the same inputs.
 """
 from __future__ import annotations
 
 import ast
 import os
+import random
+import secrets
 
 import pytest
 import torch
@@ -59,6 +67,51 @@ for _n in range(1, 10):
     globals()[f"ex{_n:02d}"] = _fixture(f"ex{_n:02d}")
 
 
+SEED_ENV = "TOYLLM_GRADE_SEED"
+
+
+def grading_seed_value() -> int:
+    """The seed of this grading run: ``$TOYLLM_GRADE_SEED``, else a fresh random one."""
+    text = os.environ.get(SEED_ENV, "").strip()
+    return int(text) if text else secrets.randbits(32)
+
+
+class Drawn:
+    """Inputs drawn from the grading seed: ``drawn.rng("4.1")`` is a ``random.Random`` of its own per name.
+
+    ``str(drawn)`` ("drawn with TOYLLM_GRADE_SEED=1234") goes into every failure message of a drawn case,
+    so that the case can be reproduced.
+    """
+
+    def __init__(self, seed: int):
+        self.seed = int(seed)
+
+    def rng(self, name: str) -> random.Random:
+        return random.Random(f"{name}/{self.seed}")
+
+    def generator(self, name: str) -> torch.Generator:
+        return torch.Generator().manual_seed(self.rng(name).randrange(2 ** 62))
+
+    def __str__(self) -> str:
+        return f"drawn with {SEED_ENV}={self.seed}"
+
+
+_SESSION_SEED: list[int] = []
+
+
+@pytest.fixture(scope="session")
+def grading_seed() -> int:
+    """One seed for the whole run (the grader sets ``$TOYLLM_GRADE_SEED`` per run)."""
+    if not _SESSION_SEED:
+        _SESSION_SEED.append(grading_seed_value())
+    return _SESSION_SEED[0]
+
+
+@pytest.fixture
+def drawn(grading_seed) -> Drawn:
+    return Drawn(grading_seed)
+
+
 ENGINE_ATOL = 1e-4      # float32 logits: the ranks sum the same products in another order
 
 
@@ -98,9 +151,8 @@ def _root_cause(error: Exception) -> str:
     return text.splitlines()[-1] if text else type(error).__name__
 
 
-@pytest.fixture
-def engine_run():
-    """``engine_run(step, "4.2", "tsp", p, chunks, seed=..., spec=..., decode=...)`` -> (result, one-process cache).
+def make_engine_run():
+    """``engine_run(step, "4.2", "tsp", p, chunks, seed=..., spec=..., decode=..., note=...)`` -> (result, one-process cache).
 
     Checks that ``step`` is the student's own, runs it inside the real engine
     on p gloo processes started from the submission's side (a crash, a wrong
@@ -111,12 +163,12 @@ def engine_run():
     from toyllm.parallel import ModelSpec, single_prefill
     from toyllm.utils import random_prompt
 
-    def run(step, exercise, method, p, chunks, *, seed=0, spec=None, decode=0):
+    def run(step, exercise, method, p, chunks, *, seed=0, spec=None, decode=0, note=""):
         _assert_independent(step, exercise)
         spec = spec or ModelSpec("tiny")
         ids = random_prompt(sum(chunks), 256, seed)
         ref_logits, ref_cache = single_prefill(spec.build(), ids)
-        where = f"Exercise {exercise}, {step.__name__} in the engine, p={p}, chunks {chunks}"
+        where = f"Exercise {exercise}, {step.__name__} in the engine, p={p}, chunks {chunks}" + (f" ({note})" if note else "")
         try:
             got = sandboxed("toyllm.grading.harness:parallel_prefill", spec, ids, method, p, chunks, step=step,
                             warmup=0, return_cache=True, decode_tokens=decode, timeout_s=20)
@@ -128,6 +180,12 @@ def engine_run():
         return got, ref_cache
 
     return run
+
+
+@pytest.fixture
+def engine_run():
+    """See ``make_engine_run``."""
+    return make_engine_run()
 
 
 @pytest.fixture(scope="module", autouse=True)

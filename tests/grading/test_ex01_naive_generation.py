@@ -48,11 +48,19 @@ def _kw(kw):
 
 @pytest.mark.exercise("1.1")
 @pytest.mark.points(1)
-def test_ex1_1_picks_the_highest_score(ex01):
+def test_ex1_1_picks_the_highest_score(ex01, drawn):
     gen = torch.Generator().manual_seed(0)
     for i in range(12):
         logits = torch.randn(50, generator=gen) * 3 - 1
         equal(ex01.greedy_next_token(logits), int(torch.argmax(logits)), f"greedy_next_token(random logits #{i})")
+    rng, gen = drawn.rng("1.1"), drawn.generator("1.1")
+    for i in range(8):                                   # drawn: vocabulary size, scale, and sometimes a tie
+        vocab = rng.randint(2, 300)
+        logits = torch.randn(vocab, generator=gen) * rng.uniform(0.1, 20) + rng.uniform(-50, 50)
+        if i % 2:
+            logits[rng.randrange(vocab)] = logits[rng.randrange(vocab)] = logits.max() + 1.0
+        equal(ex01.greedy_next_token(logits), int(torch.argmax(logits)),
+              f"greedy_next_token(logits of {vocab} tokens #{i}, {drawn})")
     equal(ex01.greedy_next_token(torch.tensor([-5.0, -1.0, -3.0])), 1, "greedy_next_token([-5, -1, -3]) (all negative)")
     equal(ex01.greedy_next_token(torch.tensor([0.5, 2.0, 2.0, 1.0])), 1,
           "greedy_next_token([0.5, 2, 2, 1]) (a tie: the lowest id wins)")
@@ -86,7 +94,7 @@ def test_ex1_2_temperature_zero_is_greedy(ex01):
 
 @pytest.mark.exercise("1.2")
 @pytest.mark.points(1)
-def test_ex1_2_top_k_keeps_the_k_best_tokens(ex01):
+def test_ex1_2_top_k_keeps_the_k_best_tokens(ex01, drawn):
     for k in (1, 3, 5):
         got = kept(ex01, temperature=1.0, top_k=k)
         assert got == top(k), f"sample_next_token(temperature=1, top_k={k}): drew {sorted(got)}, expected " \
@@ -95,6 +103,15 @@ def test_ex1_2_top_k_keeps_the_k_best_tokens(ex01):
     assert got == top(1), f"sample_next_token(temperature=3, top_k=1): drew {sorted(got)}, expected only {sorted(top(1))}"
     got = kept(ex01, temperature=1.0, top_k=100)
     assert got == top(8), f"sample_next_token(top_k=100 > vocabulary of 8): drew {sorted(got)}, expected all 8 tokens"
+    rng = drawn.rng("1.2")
+    for _ in range(2):              # drawn: distinct logits in a shuffled order, a temperature and a k
+        vocab, k = rng.randint(6, 40), rng.randint(2, 5)
+        logits = torch.tensor([v / 20 for v in rng.sample(range(-20, 21), vocab)])   # in [-1, 1], 0.05 apart
+        temperature = round(rng.uniform(1.0, 2.0), 2)
+        best = set(torch.topk(logits, k).indices.tolist())
+        got = kept(ex01, 1000, logits, temperature=temperature, top_k=k)
+        assert got == best, (f"sample_next_token(logits of {vocab} tokens, temperature={temperature}, top_k={k}; "
+                             f"{drawn}): drew {sorted(got)}, expected exactly the {k} most likely tokens {sorted(best)}")
 
 
 @pytest.mark.exercise("1.2")
@@ -190,10 +207,14 @@ def reference_greedy(model, prompt, n):
 
 @pytest.mark.exercise("1.3")
 @pytest.mark.points(2)
-def test_ex1_3_matches_the_reference_loop(ex01, tiny_model):
+def test_ex1_3_matches_the_reference_loop(ex01, tiny_model, drawn):
     for prompt, n in ((PROMPT, 10), ([42], 7), ([200, 3, 3, 3, 9], 13)):
         same_tokens(ex01.naive_generate(tiny_model, prompt, n), reference_greedy(tiny_model, prompt, n),
                     f"naive_generate(prompt of {len(prompt)} tokens, {n} new)")
+    rng = drawn.rng("1.3")
+    prompt, n = [rng.randrange(256) for _ in range(rng.randint(1, 12))], rng.randint(1, 9)
+    same_tokens(ex01.naive_generate(tiny_model, prompt, n), reference_greedy(tiny_model, prompt, n),
+                f"naive_generate(prompt {prompt}, {n} new; {drawn})")
 
 
 @pytest.mark.exercise("1.3")

@@ -62,7 +62,7 @@ def test_ex2_1_hides_future_keys(ex02):
 
 @pytest.mark.exercise("2.1")
 @pytest.mark.points(2)
-def test_ex2_1_positions_not_shapes(ex02):
+def test_ex2_1_positions_not_shapes(ex02, drawn):
     """Keys that do not start at 0, keys after the queries, keys out of order: the mask comes from the positions."""
     cases = [
         ("3 queries at 5..7, 10 keys at 2..11", torch.arange(5, 8), torch.arange(2, 12)),
@@ -74,6 +74,17 @@ def test_ex2_1_positions_not_shapes(ex02):
         q, k, v = random_qkv(B=1, H=2, T=len(q_pos), S=len(k_pos), D=4, seed=10 + seed)
         tensors_close(ex02.attention_with_offset(q, k, v, q_pos, k_pos), reference_attention(q, k, v, q_pos, k_pos),
                       f"attention_with_offset({words})")
+    rng = drawn.rng("2.1")
+    for i in range(3):              # drawn: shapes, where the keys start, their order, how many queries are new
+        S = rng.randint(1, 24)
+        T, base = rng.randint(1, S), rng.randint(0, 500)
+        k_pos = torch.tensor(rng.sample(range(base, base + S), S))          # keys at base..base+S-1, shuffled
+        q_pos = torch.arange(base + S - T, base + S)                        # the newest T of them
+        q, k, v = random_qkv(B=rng.randint(1, 3), H=rng.randint(1, 4), T=T, S=S, D=rng.choice([4, 8, 16]),
+                             seed=rng.randrange(2 ** 31))
+        tensors_close(ex02.attention_with_offset(q, k, v, q_pos, k_pos), reference_attention(q, k, v, q_pos, k_pos),
+                      f"attention_with_offset({T} queries at {base + S - T}..{base + S - 1}, {S} keys at "
+                      f"{k_pos.tolist()}, shape {tuple(q.shape)}; {drawn})")
 
 
 def reference_logits(ids):
@@ -128,13 +139,19 @@ def test_ex2_2_llama2_13b_and_gqa(ex02):
 
 @pytest.mark.exercise("2.2")
 @pytest.mark.points(1)
-def test_ex2_2_other_precisions_and_shapes(ex02):
+def test_ex2_2_other_precisions_and_shapes(ex02, drawn):
     cases = [((40, 40, 128, 8192), dict(bytes_per_value=1)), ((30, 3, 64, 1001), dict(bytes_per_value=0.5)),
              ((30, 3, 64, 8192), dict(bytes_per_value=4)), ((32, 8, 128, 100), dict(bytes_per_value=2, batch=3)),
              ((2, 2, 16, 1), dict(bytes_per_value=0.5, batch=7)), ((24, 6, 80, 0), dict())]
     for args, kw in cases:
         equal(ex02.kv_cache_bytes(*args, **kw), kv_reference(*args, **kw),
               f"kv_cache_bytes{args + tuple(kw.values())} ({', '.join(f'{k}={v}' for k, v in kw.items()) or 'bf16'})")
+    rng = drawn.rng("2.2")
+    for _ in range(6):              # drawn shapes and precisions
+        args = (rng.randint(1, 96), rng.randint(1, 64), rng.choice([16, 32, 64, 80, 96, 128, 256]), rng.randint(0, 40000))
+        kw = dict(bytes_per_value=rng.choice([0.5, 1, 2, 4]), batch=rng.randint(1, 16))
+        equal(ex02.kv_cache_bytes(*args, **kw), kv_reference(*args, **kw),
+              f"kv_cache_bytes{args + tuple(kw.values())} ({drawn})")
     raises(ValueError, ex02.kv_cache_bytes, 40, 40, 128, -1, call="kv_cache_bytes(..., tokens=-1)")
     raises(ValueError, ex02.kv_cache_bytes, 40, 40, 128, 16, bytes_per_value=0, call="kv_cache_bytes(bytes_per_value=0)")
 
@@ -185,7 +202,7 @@ def test_ex2_3_counts_only_the_key_value_heads(ex02):
 
 @pytest.mark.exercise("2.3")
 @pytest.mark.points(1)
-def test_ex2_3_half_bytes_round_up(ex02):
+def test_ex2_3_half_bytes_round_up(ex02, drawn):
     """4-bit and 2-bit values make fractional byte totals: the buffer needs the next whole byte."""
     for args, kw in (((1, 1, 5, 2), dict(bits=2, reserve=1.0)),          # 2.5 bytes -> 3
                      ((1, 1, 5, 2), dict(bits=4, reserve=1.25)),         # 6.25 -> 7
@@ -194,6 +211,12 @@ def test_ex2_3_half_bytes_round_up(ex02):
         equal(ex02.static_buffer_bytes(*args, **kw), static_reference(*args, **kw),
               f"static_buffer_bytes{args} with {', '.join(f'{k}={v}' for k, v in kw.items())} "
               "(a fractional total rounds up to whole bytes)")
+    rng = drawn.rng("2.3")
+    for _ in range(6):              # drawn: small shapes, so that the total is often fractional
+        args = (rng.randint(1, 7), rng.randint(1, 5), rng.randint(1, 9), rng.randint(2, 40))
+        kw = dict(bits=rng.choice([2, 4, 8, 16]), reserve=rng.choice([1.0, 1.25, 1.5, 1.75, 2.0]))
+        equal(ex02.static_buffer_bytes(*args, **kw), static_reference(*args, **kw),
+              f"static_buffer_bytes{args} with {', '.join(f'{k}={v}' for k, v in kw.items())} ({drawn})")
 
 
 @pytest.mark.exercise("2.3")
@@ -223,12 +246,16 @@ def reference_greedy(model, prompt, n):
 
 @pytest.mark.exercise("2.4")
 @pytest.mark.points(2)
-def test_ex2_4_same_tokens_as_without_a_cache(ex02, tiny_model):
+def test_ex2_4_same_tokens_as_without_a_cache(ex02, tiny_model, drawn):
     for prompt, n in ((PROMPT, 12), ([42], 6), ([5, 250, 17, 17, 3, 90], 20)):
         same_tokens(ex02.cached_generate(tiny_model, prompt, n), reference_greedy(tiny_model, prompt, n),
                     f"cached_generate(prompt of {len(prompt)} tokens, {n} new)")
     same_tokens(ex02.cached_generate(tiny_model, PROMPT, 1), reference_greedy(tiny_model, PROMPT, 1),
                 "cached_generate(prompt of 8 tokens, 1 new) (the prefill alone)")
+    rng = drawn.rng("2.4")
+    prompt, n = [rng.randrange(256) for _ in range(rng.randint(1, 12))], rng.randint(2, 12)
+    same_tokens(ex02.cached_generate(tiny_model, prompt, n), reference_greedy(tiny_model, prompt, n),
+                f"cached_generate(prompt {prompt}, {n} new; {drawn})")
     raises(ValueError, ex02.cached_generate, tiny_model, [], 3, call="cached_generate(empty prompt, 3 new)")
     raises(ValueError, ex02.cached_generate, tiny_model, PROMPT, -2, call="cached_generate(prompt of 8 tokens, -2 new)")
 

@@ -34,17 +34,28 @@ def memory_bound_step(param_bytes, kv, batch, bandwidth):
     return (batch * kv + param_bytes) / bandwidth
 
 
+def float_close(got, expected, call, rel=1e-12):
+    """A Python float (the docstrings promise one) within ``rel`` of ``expected``."""
+    equal(type(got), float, f"{call}: type of the result")
+    close(got, expected, call, rel=rel)
+
+
 # --------------------------------------------------------------------------- 3.1
 
 @pytest.mark.exercise("3.1")
 @pytest.mark.points(1)
-def test_ex3_1_matches_the_formula(ex03):
-    for args in [(1, 4096, 4096), (16, 5120, 13824, 2), (512, 4096, 4096, 2), (3, 7, 11, 4), (64, 8192, 8192, 1),
-                 (5, 3, 2, 0.5)]:
+def test_ex3_1_matches_the_formula(ex03, drawn):
+    rng = drawn.rng("3.1")
+    cases = [(1, 4096, 4096), (16, 5120, 13824, 2), (512, 4096, 4096, 2), (3, 7, 11, 4), (64, 8192, 8192, 1),
+             (5, 3, 2, 0.5)]
+    cases += [(rng.randint(1, 4096), rng.randint(1, 16384), rng.randint(1, 65536), rng.choice([0.5, 1, 2, 4]))
+              for _ in range(6)]
+    for i, args in enumerate(cases):
         B, D, F, *rest = args
         bpv = rest[0] if rest else 2
-        close(ex03.matmul_intensity(*args), 2 * B * D * F / (bpv * (B * D + D * F + B * F)),
-              f"matmul_intensity(B={B}, D={D}, F={F}, bytes_per_value={bpv})", rel=1e-12)
+        note = f"; {drawn}" if i >= 6 else ""
+        float_close(ex03.matmul_intensity(*args), 2 * B * D * F / (bpv * (B * D + D * F + B * F)),
+                    f"matmul_intensity(B={B}, D={D}, F={F}, bytes_per_value={bpv}{note})")
 
 
 @pytest.mark.exercise("3.1")
@@ -62,16 +73,21 @@ def test_ex3_1_is_about_the_batch_when_it_is_small(ex03):
 
 @pytest.mark.exercise("3.2")
 @pytest.mark.points(1)
-def test_ex3_2_prefill_is_half_the_prompt(ex03):
+def test_ex3_2_prefill_is_half_the_prompt(ex03, drawn):
     for S, T in ((4096, 4096), (1, 1), (1000, 10), (3, 7), (513, 2)):
-        close(ex03.attention_intensity(S, T), S * T / (S + T), f"attention_intensity(S={S}, T={T})", rel=1e-12)
+        float_close(ex03.attention_intensity(S, T), S * T / (S + T), f"attention_intensity(S={S}, T={T})")
+    rng = drawn.rng("3.2")
+    for _ in range(6):
+        S = rng.randint(1, 100_000)
+        T = rng.choice([1, S, rng.randint(1, S)])
+        float_close(ex03.attention_intensity(S, T), S * T / (S + T), f"attention_intensity(S={S}, T={T}; {drawn})")
 
 
 @pytest.mark.exercise("3.2")
 @pytest.mark.points(1)
 def test_ex3_2_decode_is_about_one(ex03):
     got = ex03.attention_intensity(8192, 1)
-    close(got, 8192 / 8193, "attention_intensity(S=8192, T=1) (decode)", rel=1e-12)
+    float_close(got, 8192 / 8193, "attention_intensity(S=8192, T=1) (decode)")
     raises(ValueError, ex03.attention_intensity, 0, 1, call="attention_intensity(S=0, T=1)")
     raises(ValueError, ex03.attention_intensity, 16, 0, call="attention_intensity(S=16, T=0)")
 
@@ -82,20 +98,24 @@ def test_ex3_2_decode_is_about_one(ex03):
 @pytest.mark.points(1)
 def test_ex3_3_pop_quiz_batch_4(ex03):
     got = ex03.min_step_time_s(QUIZ_PARAM_BYTES, QUIZ_KV_PER_SEQ, 4, QUIZ_BANDWIDTH)
-    close(got, (4 * 819.2e6 + 30e9) / 12.96e12, "min_step_time_s(the pop quiz, batch 4) in seconds", rel=1e-12)
+    float_close(got, (4 * 819.2e6 + 30e9) / 12.96e12, "min_step_time_s(the pop quiz, batch 4) in seconds")
     assert abs(got - 2.5e-3) < 0.1e-3, f"min_step_time_s(the pop quiz, batch 4): about 2.5 ms expected, got {got!r} s"
 
 
 @pytest.mark.exercise("3.3")
 @pytest.mark.points(1)
-def test_ex3_3_llama2_13b_step_times_and_other_cases(ex03):
+def test_ex3_3_llama2_13b_step_times_and_other_cases(ex03, drawn):
     table_ms = (4.98, 12.13, 20.30, 36.65, 69.33, 249.09)           # the chapter's row, 2 decimals
     for batch, ms in zip(BATCHES, table_ms):
         got = ex03.min_step_time_s(PARAM_BYTES, KV_PER_SEQ, batch, BANDWIDTH)
-        close(got, memory_bound_step(PARAM_BYTES, KV_PER_SEQ, batch, BANDWIDTH),
-              f"min_step_time_s(LLaMA-2-13B, batch {batch}) (the table says {ms} ms)", rel=1e-12)
+        float_close(got, memory_bound_step(PARAM_BYTES, KV_PER_SEQ, batch, BANDWIDTH),
+                    f"min_step_time_s(LLaMA-2-13B, batch {batch}) (the table says {ms} ms)")
     for args in ((7e9, 3e8, 0, 1e12), (1.5e10, 2.5e9, 3, 2e12)):
-        close(ex03.min_step_time_s(*args), memory_bound_step(*args), f"min_step_time_s{args}", rel=1e-12)
+        float_close(ex03.min_step_time_s(*args), memory_bound_step(*args), f"min_step_time_s{args}")
+    rng = drawn.rng("3.3")
+    for _ in range(6):
+        args = (rng.uniform(1e8, 2e11), rng.uniform(1e6, 1e10), rng.randint(0, 512), rng.uniform(1e11, 5e13))
+        float_close(ex03.min_step_time_s(*args), memory_bound_step(*args), f"min_step_time_s{args} ({drawn})")
     raises(ValueError, ex03.min_step_time_s, PARAM_BYTES, KV_PER_SEQ, 1, 0.0, call="min_step_time_s(bandwidth=0)")
     raises(ValueError, ex03.min_step_time_s, PARAM_BYTES, KV_PER_SEQ, -1, BANDWIDTH, call="min_step_time_s(batch=-1)")
 
@@ -111,18 +131,24 @@ def step_reference(param_bytes, kv, batch, bandwidth, param_count, flops):
 def test_ex3_4_pop_quiz_batch_256(ex03):
     args = (QUIZ_PARAM_BYTES, QUIZ_KV_PER_SEQ, 256, QUIZ_BANDWIDTH, QUIZ_PARAM_COUNT, QUIZ_FLOPS)
     got = ex03.step_time_s(*args)
-    close(got, step_reference(*args), "step_time_s(the pop quiz, batch 256) in seconds", rel=1e-12)
+    float_close(got, step_reference(*args), "step_time_s(the pop quiz, batch 256) in seconds")
     assert abs(got - 21e-3) < 0.1e-3, f"step_time_s(the pop quiz, batch 256): about 21 ms expected, got {got!r} s"
 
 
 @pytest.mark.exercise("3.4")
 @pytest.mark.points(1)
-def test_ex3_4_memory_or_compute_bound(ex03):
+def test_ex3_4_memory_or_compute_bound(ex03, drawn):
     for batch in (0, 4, 64, 100, 1000):        # memory-bound below about 128, compute-bound above
         args = (QUIZ_PARAM_BYTES, QUIZ_KV_PER_SEQ, batch, QUIZ_BANDWIDTH, QUIZ_PARAM_COUNT, QUIZ_FLOPS)
-        close(ex03.step_time_s(*args), step_reference(*args), f"step_time_s(the pop quiz, batch {batch})", rel=1e-12)
+        float_close(ex03.step_time_s(*args), step_reference(*args), f"step_time_s(the pop quiz, batch {batch})")
     args = (2e9, 5e7, 12, 1e12, 1e9, 5e12)     # a small model on a slow chip: compute-bound already at 12
-    close(ex03.step_time_s(*args), step_reference(*args), f"step_time_s{args}", rel=1e-12)
+    float_close(ex03.step_time_s(*args), step_reference(*args), f"step_time_s{args}")
+    rng = drawn.rng("3.4")
+    for _ in range(6):                         # drawn: some memory-bound, some compute-bound
+        count = rng.uniform(1e8, 1e11)
+        args = (count * rng.choice([0.5, 1, 2]), rng.uniform(1e6, 1e10), rng.randint(0, 2048), rng.uniform(1e11, 5e13),
+                count, rng.uniform(1e13, 1e16))
+        float_close(ex03.step_time_s(*args), step_reference(*args), f"step_time_s{args} ({drawn})")
     raises(ValueError, ex03.step_time_s, 1e9, 1e6, 1, 1e12, 1e9, 0.0, call="step_time_s(peak_flops=0)")
 
 
@@ -130,12 +156,17 @@ def test_ex3_4_memory_or_compute_bound(ex03):
 
 @pytest.mark.exercise("3.5")
 @pytest.mark.points(1)
-def test_ex3_5_llama2_13b_throughput_row(ex03):
+def test_ex3_5_llama2_13b_throughput_row(ex03, drawn):
     table = (200.61, 659.30, 787.99, 873.21, 923.13, 963.53)
     for batch, expected in zip(BATCHES, table):
         got = ex03.max_throughput_tokens_per_s(PARAM_BYTES, KV_PER_SEQ, batch, BANDWIDTH)
-        close(got, batch / memory_bound_step(PARAM_BYTES, KV_PER_SEQ, batch, BANDWIDTH),
-              f"max_throughput_tokens_per_s(LLaMA-2-13B, batch {batch}) (the table says {expected})", rel=1e-12)
+        float_close(got, batch / memory_bound_step(PARAM_BYTES, KV_PER_SEQ, batch, BANDWIDTH),
+                    f"max_throughput_tokens_per_s(LLaMA-2-13B, batch {batch}) (the table says {expected})")
+    rng = drawn.rng("3.5")
+    for _ in range(6):
+        args = (rng.uniform(1e8, 2e11), rng.uniform(1e6, 1e10), rng.randint(1, 512), rng.uniform(1e11, 5e13))
+        float_close(ex03.max_throughput_tokens_per_s(*args), args[2] / memory_bound_step(*args),
+                    f"max_throughput_tokens_per_s{args} ({drawn})")
 
 
 @pytest.mark.exercise("3.5")
@@ -146,8 +177,8 @@ def test_ex3_5_five_times_smaller_kv_cache_and_bad_batches(ex03):
         got = ex03.max_throughput_tokens_per_s(PARAM_BYTES, KV_PER_SEQ_GQA, batch, BANDWIDTH)
         assert abs(got - expected) <= 0.005 + 1e-9, \
             f"max_throughput_tokens_per_s(LLaMA-2-13B with 8 KV heads, batch {batch}): expected {expected}, got {got!r}"
-    close(ex03.max_throughput_tokens_per_s(5e9, 1e8, 3, 4e11), 3 / memory_bound_step(5e9, 1e8, 3, 4e11),
-          "max_throughput_tokens_per_s(5e9, 1e8, batch 3, 4e11)", rel=1e-12)
+    float_close(ex03.max_throughput_tokens_per_s(5e9, 1e8, 3, 4e11), 3 / memory_bound_step(5e9, 1e8, 3, 4e11),
+                "max_throughput_tokens_per_s(5e9, 1e8, batch 3, 4e11)")
     raises(ValueError, ex03.max_throughput_tokens_per_s, PARAM_BYTES, KV_PER_SEQ, 0, BANDWIDTH,
            call="max_throughput_tokens_per_s(batch=0)")
 
@@ -168,8 +199,13 @@ def test_ex3_6_llama2_13b_on_8_tpus(ex03):
 
 @pytest.mark.exercise("3.6")
 @pytest.mark.points(1)
-def test_ex3_6_exact_fits_and_no_room(ex03):
+def test_ex3_6_exact_fits_and_no_room(ex03, drawn):
     for args in ((10e9, 1e9, 15e9), (10e9, 1e9, 15.999e9), (12e9, 5e8, 12e9), (3e9, 7e8, 8 * 2**30)):
         equal(ex03.max_batch_size(*args), batch_reference(*args), f"max_batch_size{args}")
+    rng = drawn.rng("3.6")
+    for i in range(6):              # drawn whole byte counts; every other case fits exactly
+        param, kv = rng.randint(10**8, 10**12), rng.randint(10**6, 10**10)
+        hbm = param + kv * rng.randint(0, 500) + (0 if i % 2 else rng.randint(-kv // 2, kv - 1))
+        equal(ex03.max_batch_size(param, kv, hbm), max(0, (hbm - param) // kv), f"max_batch_size({param}, {kv}, {hbm}; {drawn})")
     equal(ex03.max_batch_size(200e9, KV_PER_SEQ, HBM_BYTES), 0, "max_batch_size(200 GB of weights in 128 GiB)")
     raises(ValueError, ex03.max_batch_size, PARAM_BYTES, 0, HBM_BYTES, call="max_batch_size(kv_bytes_per_seq=0)")

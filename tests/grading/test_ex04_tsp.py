@@ -6,7 +6,7 @@ one-process forward pass of the tiny model for the engine runs.
 """
 import pytest
 
-from toyllm.grading.expect import raises
+from toyllm.grading.expect import equal, raises
 from toyllm.parallel import ModelSpec
 
 ATOL = 1e-4      # float32 K/V: the ranks sum the same products in another order
@@ -24,10 +24,16 @@ def test_ex4_1_the_papers_example(ex04):
 
 @pytest.mark.exercise("4.1")
 @pytest.mark.points(1)
-def test_ex4_1_uneven_chunks_and_bad_input(ex04):
+def test_ex4_1_uneven_and_drawn_chunks_and_bad_input(ex04, drawn):
     got = ex04.tsp_dot_products([5, 1, 11, 2])
     assert got == [95, 19, 209, 38], f"tsp_dot_products([5, 1, 11, 2]): every rank scores its c_i queries " \
                                      f"against all 19 keys: expected [95, 19, 209, 38], got {got!r}"
+    rng = drawn.rng("4.1")
+    for _ in range(4):
+        chunks = [rng.randint(1, 5000) for _ in range(rng.randint(1, 8))]
+        got, expected = ex04.tsp_dot_products(chunks), [c * sum(chunks) for c in chunks]
+        assert got == expected and all(type(n) is int for n in got), \
+            f"tsp_dot_products({chunks}; {drawn}): expected {expected} (ints), got {got!r}"
     for bad in ([], [4, 0, 2], [3, -1]):
         raises(ValueError, ex04.tsp_dot_products, bad, call=f"tsp_dot_products({bad!r})",
                why="every rank needs at least one token")
@@ -35,19 +41,13 @@ def test_ex4_1_uneven_chunks_and_bad_input(ex04):
 
 # --------------------------------------------------------------------------- 4.2
 
-def run_tsp(engine_run, step, p, chunks, seed=0, n_kv_heads=2):
+def run_tsp(engine_run, step, p, chunks, seed=0, n_kv_heads=2, note=""):
     spec = ModelSpec("tiny", overrides=(("n_kv_heads", n_kv_heads),)) if n_kv_heads != 2 else ModelSpec("tiny")
-    got, ref_cache = engine_run(step, "4.2", "tsp", p, chunks, seed=seed, spec=spec)
+    got, ref_cache = engine_run(step, "4.2", "tsp", p, chunks, seed=seed, spec=spec, note=note)
     for layer, ((k, v), (k_ref, v_ref)) in enumerate(zip(got.kv_cache, ref_cache)):
         assert k.shape == k_ref.shape and (k - k_ref).abs().max() < ATOL and (v - v_ref).abs().max() < ATOL, \
-            f"Exercise 4.2, tsp_layer, p={p}, chunks {chunks}: layer {layer}'s K/V should cover the whole context {tuple(k_ref.shape)}"
-
-
-@pytest.mark.exercise("4.2")
-@pytest.mark.points(1)
-@pytest.mark.timeout(180)
-def test_ex4_2_two_ranks_even_split(ex04, engine_run):
-    run_tsp(engine_run, ex04.tsp_layer, 2, [20, 20])
+            (f"Exercise 4.2, tsp_layer, p={p}, chunks {chunks}{f' ({note})' if note else ''}: layer {layer}'s K/V "
+             f"should cover the whole context {tuple(k_ref.shape)}")
 
 
 @pytest.mark.exercise("4.2")
@@ -55,6 +55,16 @@ def test_ex4_2_two_ranks_even_split(ex04, engine_run):
 @pytest.mark.timeout(180)
 def test_ex4_2_three_ranks_uneven_chunks(ex04, engine_run):
     run_tsp(engine_run, ex04.tsp_layer, 3, [17, 2, 12], seed=1)
+
+
+@pytest.mark.exercise("4.2")
+@pytest.mark.points(1)
+@pytest.mark.timeout(180)
+def test_ex4_2_two_ranks_even_split_and_three_ranks_on_drawn_chunks(ex04, engine_run, drawn):
+    run_tsp(engine_run, ex04.tsp_layer, 2, [20, 20])
+    rng = drawn.rng("4.2")
+    chunks = [rng.randint(1, 20) for _ in range(3)]
+    run_tsp(engine_run, ex04.tsp_layer, 3, chunks, seed=rng.randrange(10**6), note=str(drawn))
 
 
 @pytest.mark.exercise("4.2")
@@ -75,13 +85,25 @@ def test_ex4_3_bytes_received_per_rank(ex04):
         f"tsp_kv_bytes_received([4096, 4096], 40 kv heads, head_dim 128, 2 bytes): expected {expected}, got {got!r}"
 
 
+def check_bytes(got, expected, call):
+    if type(got) is not list or len(got) != len(expected) or any(type(b) is not float for b in got):
+        raise AssertionError(f"{call}: expected a list of {len(expected)} Python floats, got {got!r}")
+    assert got == pytest.approx(expected, rel=1e-12), f"{call}: expected {expected}, got {got!r}"
+
+
 @pytest.mark.exercise("4.3")
 @pytest.mark.points(1)
-def test_ex4_3_uneven_chunks_and_half_byte_values(ex04):
-    got = ex04.tsp_kv_bytes_received([3, 5, 1], n_kv_heads=3, head_dim=64, bytes_per_value=0.5)
-    expected = [2 * 6 * 192 * 0.5, 2 * 4 * 192 * 0.5, 2 * 8 * 192 * 0.5]
-    assert got == pytest.approx(expected, rel=1e-12), \
-        f"tsp_kv_bytes_received([3, 5, 1], 3 kv heads, head_dim 64, 4-bit values): expected {expected}, got {got!r}"
+def test_ex4_3_uneven_drawn_chunks_and_half_byte_values(ex04, drawn):
+    check_bytes(ex04.tsp_kv_bytes_received([3, 5, 1], n_kv_heads=3, head_dim=64, bytes_per_value=0.5),
+                [2 * 6 * 192 * 0.5, 2 * 4 * 192 * 0.5, 2 * 8 * 192 * 0.5],
+                "tsp_kv_bytes_received([3, 5, 1], 3 kv heads, head_dim 64, 4-bit values)")
+    rng = drawn.rng("4.3")
+    for _ in range(4):
+        chunks = [rng.randint(1, 5000) for _ in range(rng.randint(1, 8))]
+        heads, dim, bpv = rng.randint(1, 64), rng.choice([32, 64, 80, 128]), rng.choice([0.5, 1, 2, 4])
+        check_bytes(ex04.tsp_kv_bytes_received(chunks, heads, dim, bpv),
+                    [2.0 * (sum(chunks) - c) * heads * dim * bpv for c in chunks],
+                    f"tsp_kv_bytes_received({chunks}, {heads} kv heads, head_dim {dim}, {bpv} bytes; {drawn})")
 
 
 # --------------------------------------------------------------------------- 4.4
@@ -97,8 +119,15 @@ def test_ex4_4_llama2_13b_on_eight_gpus(ex04):
 
 @pytest.mark.exercise("4.4")
 @pytest.mark.points(1)
-def test_ex4_4_one_process_sends_nothing_and_three_do(ex04):
-    assert ex04.tensor_parallel_bytes_sent(100, 64, 1) == 0, "tensor_parallel_bytes_sent with p=1: expected 0"
-    got = ex04.tensor_parallel_bytes_sent(10, 6, 3, bytes_per_value=4)
-    assert got == pytest.approx(2 * 2 * 2 / 3 * 10 * 6 * 4, rel=1e-12), \
-        f"tensor_parallel_bytes_sent(10 tokens, d_model 6, p=3, 4 bytes): expected 640.0, got {got!r}"
+def test_ex4_4_one_process_sends_nothing_and_others_do(ex04, drawn):
+    equal(ex04.tensor_parallel_bytes_sent(100, 64, 1), 0.0, "tensor_parallel_bytes_sent(100 tokens, d_model 64, p=1)")
+    cases = [(10, 6, 3, 4)]
+    rng = drawn.rng("4.4")
+    cases += [(rng.randint(1, 32768), rng.choice([768, 2048, 4096, 5120, 8192]), rng.randint(1, 16),
+               rng.choice([0.5, 1, 2, 4])) for _ in range(4)]
+    for i, (tokens, d, p, bpv) in enumerate(cases):
+        call = f"tensor_parallel_bytes_sent({tokens} tokens, d_model {d}, p={p}, {bpv} bytes{f'; {drawn}' if i else ''})"
+        got = ex04.tensor_parallel_bytes_sent(tokens, d, p, bytes_per_value=bpv)
+        equal(type(got), float, f"{call}: type of the result")
+        assert got == pytest.approx(2 * 2 * (p - 1) / p * tokens * d * bpv, rel=1e-12), \
+            f"{call}: expected {2 * 2 * (p - 1) / p * tokens * d * bpv!r}, got {got!r}"

@@ -44,10 +44,15 @@ def check_chunks(got, context: int, p: int, call: str) -> None:
 
 @pytest.mark.exercise("6.1")
 @pytest.mark.points(1)
-def test_ex6_1_finds_a_known_best_split_with_few_evaluations(ex06):
-    for context, best in [(10_000, 6173), (4096, 17), (3001, 2990)]:
+def test_ex6_1_finds_a_known_best_split_with_few_evaluations(ex06, drawn):
+    rng = drawn.rng("6.1")
+    cases = [(10_000, 6173, ""), (4096, 17, ""), (3001, 2990, "")]
+    for _ in range(3):
+        context = rng.randint(2, 10_000)
+        cases.append((context, rng.randint(1, context - 1), f"; {drawn}"))
+    for context, best, note in cases:
         cost = functools.partial(harness.kink_cost, best=best)
-        call = f"search_boundary(cost lowest at c_0 = {best}, context={context})"
+        call = f"search_boundary(cost lowest at c_0 = {best}, context={context}{note})"
         got, tried = run_search(ex06.search_boundary, cost, context)
         check_chunks(got, context, 2, call)
         equal(got, [best, context - best], call)
@@ -94,16 +99,20 @@ def even_boundaries(context, p):
 
 @pytest.mark.exercise("6.2")
 @pytest.mark.points(1)
-def test_ex6_2_three_processes_known_best(ex06):
-    context, optimum = 960, [390, 210, 360]
-    cost = functools.partial(harness.bowl_cost, optimum=optimum)
-    call = f"grid_search(cost lowest at {optimum}, context={context}, world_size=3, stride=32)"
-    got, tried = run_search(ex06.grid_search, cost, context, 3, 32)
-    check_chunks(got, context, 3, call)
-    equal(got, optimum, call)
-    assert len(tried) <= 300, f"{call}: tried {len(tried)} partitions; the grid search needs at most 300 here"
-    even = [hi - lo for lo, hi in zip([0, *even_boundaries(context, 3)], [*even_boundaries(context, 3), context])]
-    assert tuple(even) in tried, f"{call}: never evaluated the even split {even}, where the search starts"
+def test_ex6_2_three_processes_known_and_drawn_best(ex06, drawn):
+    rng = drawn.rng("6.2")
+    context = rng.randint(600, 1200)
+    moved = [b + rng.randint(-80, 80) for b in even_boundaries(context, 3)]       # within reach of stride 32
+    drawn_optimum = [hi - lo for lo, hi in zip([0, *moved], [*moved, context])]
+    for context, optimum, note in [(960, [390, 210, 360], ""), (context, drawn_optimum, f"; {drawn}")]:
+        cost = functools.partial(harness.bowl_cost, optimum=optimum)
+        call = f"grid_search(cost lowest at {optimum}, context={context}, world_size=3, stride=32{note})"
+        got, tried = run_search(ex06.grid_search, cost, context, 3, 32)
+        check_chunks(got, context, 3, call)
+        equal(got, optimum, call)
+        assert len(tried) <= 300, f"{call}: tried {len(tried)} partitions; the grid search needs at most 300 here"
+        even = [hi - lo for lo, hi in zip([0, *even_boundaries(context, 3)], [*even_boundaries(context, 3), context])]
+        assert tuple(even) in tried, f"{call}: never evaluated the even split {even}, where the search starts"
 
 
 @pytest.mark.exercise("6.2")
@@ -174,7 +183,7 @@ def reference_partition(table, context):
 
 @pytest.mark.exercise("6.3")
 @pytest.mark.points(1)
-def test_ex6_3_the_papers_example_and_between_entries(ex06):
+def test_ex6_3_the_papers_example_between_entries_and_drawn_tables(ex06, drawn):
     # Entries whose midpoint is the paper's 10k result on 4 processes: [0.350, 0.255, 0.210, 0.185].
     table = {8192: [0.36, 0.26, 0.21, 0.17], 12288: [0.34, 0.25, 0.21, 0.20]}
     for context in (10240, 9000, 12000, 8193):
@@ -186,6 +195,19 @@ def test_ex6_3_the_papers_example_and_between_entries(ex06):
     for context in (1500, 2999, 3001, 2000):
         equal(ex06.interpolate_partition(table3, context), reference_partition(table3, context),
               f"interpolate_partition({table3}, {context})")
+    rng = drawn.rng("6.3")
+    for _ in range(3):              # drawn: a table of 1-4 lengths for 2-6 processes, contexts inside and outside it
+        p = rng.randint(2, 6)
+        table = {}
+        for length in sorted(rng.sample(range(256, 32768), rng.randint(1, 4))):
+            weights = [rng.uniform(0.2, 1.0) for _ in range(p)]
+            table[length] = [w / sum(weights) for w in weights]
+        keys = sorted(table)
+        for context in (rng.randint(p, keys[0]), rng.randint(keys[0], keys[-1]), rng.randint(keys[-1], 40000)):
+            got = ex06.interpolate_partition(table, context)
+            call = f"interpolate_partition({table}, {context}; {drawn})"
+            check_chunks(got, context, p, call)
+            equal(got, reference_partition(table, context), call)
 
 
 @pytest.mark.exercise("6.3")
@@ -222,9 +244,13 @@ def samples_from(a, b, c, noise=0.0, seed=0):
 
 @pytest.mark.exercise("6.4")
 @pytest.mark.points(1)
-def test_ex6_4_recovers_exact_coefficients(ex06):
-    for a, b, c in [(2e-5, 3e-8, 1e-3), (1e-6, 5e-10, 0.0), (4e-4, 1e-9, 2e-2)]:
-        call = f"fit_cost_model(exact samples of {a:g} s/token + {b:g} s/dot + {c:g} s)"
+def test_ex6_4_recovers_exact_coefficients(ex06, drawn):
+    rng = drawn.rng("6.4")
+    cases = [(2e-5, 3e-8, 1e-3, ""), (1e-6, 5e-10, 0.0, ""), (4e-4, 1e-9, 2e-2, "")]
+    cases += [(10 ** rng.uniform(-7, -3), 10 ** rng.uniform(-11, -7), rng.uniform(0, 0.05), f"; {drawn}")
+              for _ in range(3)]
+    for a, b, c, note in cases:
+        call = f"fit_cost_model(exact samples of {a:g} s/token + {b:g} s/dot + {c:g} s{note})"
         got = ex06.fit_cost_model(samples_from(a, b, c))
         if type(got) is not tuple or len(got) != 3 or any(type(x) is not float for x in got):
             raise AssertionError(f"{call}: expected a tuple of 3 Python floats, got {got!r}")
@@ -240,8 +266,8 @@ def test_ex6_4_least_squares_on_noisy_samples(ex06):
     y = np.array([s for _, _, s in samples])
     expected = np.linalg.lstsq(X / X.max(0), y, rcond=None)[0] / X.max(0)
     got = ex06.fit_cost_model(samples)
-    if type(got) is not tuple or len(got) != 3:
-        raise AssertionError(f"fit_cost_model(10 noisy samples): expected a tuple of 3 floats, got {got!r}")
+    if type(got) is not tuple or len(got) != 3 or any(type(x) is not float for x in got):
+        raise AssertionError(f"fit_cost_model(10 noisy samples): expected a tuple of 3 Python floats, got {got!r}")
     for name, value, e in zip("abc", got, expected):
         close(value, float(e), f"fit_cost_model(10 noisy samples): {name} (the least-squares value)", rel=1e-6,
               abs_tol=1e-12)

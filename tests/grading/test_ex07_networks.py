@@ -41,12 +41,21 @@ def test_ex7_1_the_papers_example(ex07):
 
 @pytest.mark.exercise("7.1")
 @pytest.mark.points(1)
-def test_ex7_1_other_partitions_and_bad_input(ex07):
+def test_ex7_1_other_and_drawn_partitions_and_bad_input(ex07, drawn):
     call = "chain_transfer_s([1000, 700, 500, 300], row_bytes=512, bandwidth=10e9, latency=2e-6)"
     got = ex07.chain_transfer_s([1000, 700, 500, 300], 512, 10e9, 2e-6)
     check_floats(got, 3, call)
     for i, (g, end) in enumerate(zip(got, (1000, 1700, 2200))):
         close(g, 2 * end * 512 / 10e9 + 2e-6, f"{call}: message {i} -> {i + 1}", rel=1e-12)
+    rng = drawn.rng("7.1")
+    for _ in range(4):
+        chunks = [rng.randint(1, 5000) for _ in range(rng.randint(2, 8))]
+        rb, bw, lat = rng.choice([64, 512, 1024, 4096, 8192]), 10 ** rng.uniform(7, 12), rng.choice([0.0, 10 ** rng.uniform(-7, -2)])
+        call = f"chain_transfer_s({chunks}, {rb}, {bw:g}, {lat:g}; {drawn})"
+        got = ex07.chain_transfer_s(chunks, rb, bw, lat)
+        check_floats(got, len(chunks) - 1, call)
+        for i, g in enumerate(got):
+            close(g, 2 * sum(chunks[:i + 1]) * rb / bw + lat, f"{call}: message {i} -> {i + 1}", rel=1e-12)
     equal(ex07.chain_transfer_s([64], 512, 1e9, 1e-6), [], "chain_transfer_s([64], ...) (one process sends nothing)")
     for args, why in [(([], 512, 1e9, 0.0), "empty partition"), (([3, 0], 512, 1e9, 0.0), "a chunk of 0"),
                       (([3, 3], 512, 0.0, 0.0), "bandwidth 0"), (([3, 3], 512, 1e9, -1.0), "negative latency")]:
@@ -57,10 +66,15 @@ def test_ex7_1_other_partitions_and_bad_input(ex07):
 
 @pytest.mark.exercise("7.2")
 @pytest.mark.points(1)
-def test_ex7_2_even_and_uneven_rings(ex07):
-    for chunks, rb, bw, lat in [([3, 3, 3], 1024, 1e9, 1e-5), ([5, 1, 2], 256, 3e9, 0.0),
-                                ([2048] * 8, 8192, 300e9, 1e-5), ([100, 900], 64, 1e8, 1e-3)]:
-        call = f"ring_allgather_s({chunks if len(chunks) < 5 else '[2048] * 8'}, {rb}, {bw:g}, {lat:g})"
+def test_ex7_2_even_uneven_and_drawn_rings(ex07, drawn):
+    rng = drawn.rng("7.2")
+    cases = [([3, 3, 3], 1024, 1e9, 1e-5), ([5, 1, 2], 256, 3e9, 0.0), ([2048] * 8, 8192, 300e9, 1e-5),
+             ([100, 900], 64, 1e8, 1e-3)]
+    cases += [([rng.randint(1, 5000) for _ in range(rng.randint(2, 8))], rng.choice([64, 512, 4096]),
+               10 ** rng.uniform(7, 12), rng.choice([0.0, 10 ** rng.uniform(-7, -2)])) for _ in range(4)]
+    for i, (chunks, rb, bw, lat) in enumerate(cases):
+        shown = '[2048] * 8' if i == 2 else chunks
+        call = f"ring_allgather_s({shown}, {rb}, {bw:g}, {lat:g}{f'; {drawn}' if i >= 4 else ''})"
         got = ex07.ring_allgather_s(chunks, rb, bw, lat)
         equal(type(got), float, f"{call}: type of the result")
         close(got, (len(chunks) - 1) * (2 * max(chunks) * rb / bw + lat), call, rel=1e-12)
@@ -120,14 +134,14 @@ def test_ex7_3_many_processes_slow_sends_and_latency(ex07):
 
 @pytest.mark.exercise("7.3")
 @pytest.mark.points(1)
-def test_ex7_3_random_cases(ex07):
-    rng = random.Random(7)
-    for _ in range(12):
-        cm = CostModel(qkv_s_per_token=rng.uniform(1e-7, 1e-4), mlp_s_per_token=rng.uniform(1e-7, 1e-4),
-                       attn_s_per_dot=rng.uniform(1e-10, 1e-7), layer_overhead_s=rng.uniform(0, 1e-3),
-                       link_bandwidth_bytes_per_s=10 ** rng.uniform(5, 11), link_latency_s=rng.uniform(0, 1e-3))
-        chunks = [rng.randint(1, 400) for _ in range(rng.randint(1, 6))]
-        _ttft_case(ex07, chunks, rng.randint(1, 5), rng.choice([64, 1024, 4096]), cm, "random cost model")
+def test_ex7_3_random_and_drawn_cases(ex07, drawn):
+    for rng, what in ((random.Random(7), "random cost model"), (drawn.rng("7.3"), f"a cost model {drawn}")):
+        for _ in range(12):
+            cm = CostModel(qkv_s_per_token=rng.uniform(1e-7, 1e-4), mlp_s_per_token=rng.uniform(1e-7, 1e-4),
+                           attn_s_per_dot=rng.uniform(1e-10, 1e-7), layer_overhead_s=rng.uniform(0, 1e-3),
+                           link_bandwidth_bytes_per_s=10 ** rng.uniform(5, 11), link_latency_s=rng.uniform(0, 1e-3))
+            chunks = [rng.randint(1, 400) for _ in range(rng.randint(1, 6))]
+            _ttft_case(ex07, chunks, rng.randint(1, 5), rng.choice([64, 1024, 4096]), cm, what)
 
 
 # --------------------------------------------------------------------------- 7.4
@@ -139,9 +153,15 @@ def run_break_even(ex07, speedup, lo, hi):
 
 @pytest.mark.exercise("7.4")
 @pytest.mark.points(1)
-def test_ex7_4_a_known_crossing_with_few_calls(ex07):
-    for crossing, lo, hi in [(12_345, 1, 100_000), (2, 1, 10), (99_999, 1, 100_000), (4096, 4000, 5000)]:
-        call = f"break_even_context(speedup reaching 1 at {crossing} tokens, lo={lo}, hi={hi})"
+def test_ex7_4_a_known_crossing_with_few_calls(ex07, drawn):
+    rng = drawn.rng("7.4")
+    cases = [(12_345, 1, 100_000, ""), (2, 1, 10, ""), (99_999, 1, 100_000, ""), (4096, 4000, 5000, "")]
+    for _ in range(3):
+        lo = rng.randint(1, 50_000)
+        hi = lo + rng.randint(1, 200_000)
+        cases.append((rng.randint(lo + 1, hi), lo, hi, f"; {drawn}"))
+    for crossing, lo, hi, note in cases:
+        call = f"break_even_context(speedup reaching 1 at {crossing} tokens, lo={lo}, hi={hi}{note})"
         got, tried = run_break_even(ex07, functools.partial(harness.step_speedup, crossing=crossing), lo, hi)
         equal(got, crossing, call)
         assert len(tried) <= 2 * (hi - lo).bit_length() + 4, (

@@ -23,6 +23,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import threading
 
 import torch
 
@@ -135,23 +136,83 @@ def close_pools() -> None:
 
 # --------------------------------------------------------------------------- lessons 06-07: searches
 
+class _Evaluations:
+    """Where every evaluation of a grading cost is recorded, at its source, while ``counted`` runs.
+
+    The cost functions below (``bowl_cost``, ``kink_cost``, ``simulated_ttft``, ...) record their own
+    argument, so a search that reaches the cost behind the one it was given, however it gets there, is
+    counted all the same. One instance, bound in this module, so that rebinding it is caught as
+    tampering with toyllm's code; calling it records one argument.
+    """
+
+    def __init__(self):
+        self.calls: list | None = None          # None: no counted run is in progress
+        self.cost = None
+        self.through = threading.local()        # set while CountedCost itself is evaluating (already logged)
+
+    def __call__(self, x) -> None:
+        if self.calls is not None and not getattr(self.through, "active", False):
+            self.calls.append(_argument(x))
+
+    def __reduce__(self):
+        raise TypeError("the grader's evaluation log cannot be copied")
+
+
+_evaluations = _Evaluations()
+
+
+def _argument(x):
+    return list(x) if isinstance(x, (list, tuple)) else x
+
+
+class CountedCost:
+    """The cost function a graded search is given: evaluates the grader's cost and records the argument.
+
+    It holds no reference to that cost (no closure, ``__wrapped__`` or attributes), cannot be pickled
+    into another process, and the costs record themselves as well (``_Evaluations``).
+    """
+
+    __slots__ = ()
+
+    def __call__(self, x):
+        log = _evaluations
+        if log.calls is None:
+            raise RuntimeError("this cost function is only valid during the search it was given to")
+        log.calls.append(_argument(x))
+        log.through.active = True
+        try:
+            return log.cost(x)
+        finally:
+            log.through.active = False
+
+    def __reduce__(self):
+        raise TypeError("the cost function cannot be sent to another process: call it here")
+
+    def __repr__(self) -> str:
+        return "<the grader's cost function>"
+
+
 def counted(fn, cost, *args, **kwargs) -> dict:
-    """Call ``fn(recording_cost, *args, **kwargs)``; return {"value": fn's value, "calls": [argument of each call]}.
+    """Call ``fn(counted_cost, *args, **kwargs)``; return {"value": fn's value, "calls": [argument of each evaluation]}.
 
     The graded test counts the distinct arguments, so a search that tries
-    every partition cannot pass as a search.
+    every partition cannot pass as a search. ``fn`` gets a ``CountedCost``,
+    which does not expose ``cost``; and the cost functions of this module
+    record every evaluation themselves, however they are reached.
     """
+    log = _evaluations
     calls: list = []
-
-    def recording(x):
-        calls.append(list(x) if isinstance(x, (list, tuple)) else x)
-        return cost(x)
-
-    return {"value": fn(recording, *args, **kwargs), "calls": calls}
+    log.calls, log.cost = calls, cost
+    try:
+        value = fn(CountedCost(), *args, **kwargs)
+    finally:
+        log.calls, log.cost = None, None
+    return {"value": value, "calls": list(calls)}
 
 
 def bowl_cost(chunks, optimum) -> float:
     """A cost with a known best partition: 1 + the squared distance of the boundaries from ``optimum``'s."""
+    _evaluations(chunks)
     b = c = 0
     total = 1.0
     for got, best in zip(chunks[:-1], optimum[:-1]):
@@ -162,6 +223,7 @@ def bowl_cost(chunks, optimum) -> float:
 
 def kink_cost(chunks, best: int, left: float = 3.0, right: float = 1.0) -> float:
     """A two-process cost shaped like TTFT = max(rank 0's time, rank 1's): lowest at c_0 == ``best``."""
+    _evaluations(chunks)
     b = chunks[0]
     return 1.0 + max(left * (b - best), right * (best - b)) / 1000.0
 
@@ -170,11 +232,13 @@ def simulated_ttft(chunks, cfg, cost_model, method: str = "kvr") -> float:
     """``toyllm.simulate.simulate_prefill``'s TTFT (seconds) of ``chunks``, as a cost for the searches."""
     from toyllm.simulate import simulate_prefill
 
+    _evaluations(chunks)
     return simulate_prefill(cfg, list(chunks), method, cost_model, record_events=False).ttft_s
 
 
 def step_speedup(context: int, crossing: int) -> float:
     """A speedup that reaches 1 exactly at ``crossing`` tokens and grows with the context."""
+    _evaluations(context)
     return 0.5 + 0.5 * context / crossing
 
 
@@ -183,6 +247,7 @@ def simulated_speedup(context: int, cfg, cost_model, world_size: int) -> float:
     from toyllm.partition import even_partition
     from toyllm.simulate import simulate_prefill
 
+    _evaluations(context)
     single = simulate_prefill(cfg, [context], "single", cost_model, record_events=False).ttft_s
     kvr = simulate_prefill(cfg, even_partition(context, world_size), "kvr", cost_model, record_events=False).ttft_s
     return single / kvr
