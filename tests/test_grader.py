@@ -1057,6 +1057,20 @@ def break_even_context(speedup, lo, hi):
     ("7.4", "never None", "    if speedup(hi) < 1:\n        return None\n", ""),
     ("7.4", "a float", "    return int(b)\n", "    return float(b)\n"),
     ("7.4", "no input check", "    if lo < 1 or hi < lo:\n", "    if False:\n"),
+    # lesson 08
+    ("8.1", "writes into a shared block", "        if pool.refs[shared] > 1:", "        if False:"),
+    ("8.1", "keeps its use of the block it copied", "            pool.release(shared)\n", ""),
+    ("8.1", "a fresh block without the shared rows", "            pool.k[own] = pool.k[shared]\n            pool.v[own] = pool.v[shared]\n", ""),
+    ("8.1", "one block too many at a block's end", "first, last = start // bs, (start + tokens - 1) // bs",
+     "first, last = start // bs, (start + tokens) // bs"),
+    ("8.1", "copies a block it uses alone", "        if pool.refs[shared] > 1:", "        if pool.refs[shared] >= 1:"),
+    ("8.1", "no gap check", "    if start > len(table) * bs:\n", "    if False:\n"),
+    ("8.2", "blocks in the order of their ids", "store[table[:n], layer]", "store[sorted(table[:n]), layer]"),
+    ("8.2", "reshapes without moving the block axis", "rows.transpose(0, 1).reshape(", "rows.reshape("),
+    ("8.2", "whole blocks, not cut at the length", "[:, :length].unsqueeze(0)", ".unsqueeze(0)"),
+    ("8.2", "the first layer always", "store[table[:n], layer]", "store[table[:n], 0]"),
+    ("8.2", "one block too few", "n = -(-length // block_size)", "n = max(1, length // block_size)"),
+    ("8.2", "no check of the length", "    if length < 0 or length > len(table) * block_size:", "    if length < 0:"),
 ]
 
 RIGHT = [  # (exercise, which way, the function)
@@ -1396,6 +1410,36 @@ def break_even_context(speedup, lo, hi):
         else:
             a = m + 1
     return int(a)
+'''),
+    ("8.1", "a loop over the whole table, copying with copy_", '''
+def prepare_blocks(pool, table, start, tokens):
+    if start < 0 or tokens < 1:
+        raise ValueError("start >= 0 and tokens >= 1, please")
+    bs = pool.block_size
+    if start > len(table) * bs:
+        raise ValueError("that would leave a gap")
+    out = []
+    for i, b in enumerate(table):
+        written = i * bs + bs > start and i * bs < start + tokens
+        if written and pool.refs[b] > 1:
+            new = pool.allocate()
+            pool.k[new].copy_(pool.k[b])
+            pool.v[new].copy_(pool.v[b])
+            pool.release(b)
+            b = new
+        out.append(b)
+    while len(out) * bs < start + tokens:
+        out.append(pool.allocate())
+    return out
+'''),
+    ("8.2", "the blocks concatenated, then cut", '''
+def gather_rows(store, table, layer, length):
+    bs = store.shape[-2]
+    if length < 0 or length > len(table) * bs:
+        raise ValueError("length out of range")
+    if length == 0:
+        return store.new_zeros(1, store.shape[2], 0, store.shape[-1])
+    return torch.cat([store[b, layer] for b in table], dim=1)[:, :length].unsqueeze(0).contiguous()
 '''),
 ]
 

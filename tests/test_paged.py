@@ -8,6 +8,8 @@ from toyllm.generation import generate
 from toyllm.paged import BlockPool, PagedKVCache
 from toyllm.utils import random_prompt
 
+pytestmark = pytest.mark.needs("8.1", "8.2")     # every paged cache runs both steps of lesson 08
+
 
 @pytest.fixture(scope="module")
 def model():

@@ -28,11 +28,24 @@ name says bytes.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
+from .answers import answer, exercise
 from .model import ModelConfig
+
+
+@answer("8.1", "The paged KV cache")
+def prepare_blocks(pool: "BlockPool", table: list[int], start: int, tokens: int) -> list[int]:
+    """The block table to write rows start .. start + tokens - 1 with: blocks this sequence alone uses
+    (a shared block copied first: copy-on-write), fresh ones appended as the sequence grows."""
+    return exercise("8.1")(pool, table, start, tokens)
+
+
+@answer("8.2", "Attention over a block table")
+def gather_rows(store: torch.Tensor, table: list[int], layer: int, length: int) -> torch.Tensor:
+    """One layer's ``length`` rows of a sequence from ``store`` (the pool's keys or values), in token
+    order: (1, n_kv_heads, length, head_dim)."""
+    return exercise("8.2")(store, table, layer, length)
 
 
 class BlockPool:
@@ -123,16 +136,6 @@ class BlockPool:
             else:
                 self._free.append(block)
 
-    def copy_on_write(self, block: int) -> int:
-        """A block only the caller uses, with ``block``'s rows: ``block`` itself if nobody else uses it,
-        else a copy (and the caller's use of ``block`` released)."""
-        if self.refs[block] == 1:
-            return block
-        new = self.allocate()
-        self.k[new], self.v[new] = self.k[block], self.v[block]
-        self.release(block)
-        return new
-
     def register_prefix(self, tokens: tuple[int, ...], block: int) -> None:
         """Make ``block`` findable by the tokens from the sequence's start to the block's end."""
         if len(tokens) % self.block_size or not tokens:
@@ -197,12 +200,7 @@ class PagedKVCache:
 
     def _prepare(self, start: int, T: int) -> None:
         """Blocks for rows start..start+T-1, each one only this sequence writes to."""
-        bs = self.block_size
-        first, last = start // bs, (start + T - 1) // bs
-        for i in range(first, min(last + 1, len(self.table))):      # blocks that exist: unshare them
-            self.table[i] = self.pool.copy_on_write(self.table[i])
-        while len(self.table) <= last:
-            self.table.append(self.pool.allocate())
+        self.table = prepare_blocks(self.pool, self.table, start, T)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Append k, v (1, Hkv, T, D) to ``layer``; return the layer's keys and values (1, Hkv, S, D)."""
@@ -222,11 +220,7 @@ class PagedKVCache:
         return self.keys(layer), self.values(layer)
 
     def _gather(self, store: torch.Tensor, layer: int) -> torch.Tensor:
-        n = self._len[layer]
-        blocks = self.table[: math.ceil(n / self.block_size)]
-        rows = store[blocks, layer]                                   # (n_blocks, Hkv, block_size, D)
-        hkv, d = rows.shape[1], rows.shape[-1]
-        return rows.transpose(0, 1).reshape(hkv, -1, d)[:, :n].unsqueeze(0).contiguous()   # (1, Hkv, S, D)
+        return gather_rows(store, self.table, layer, self._len[layer])          # (1, Hkv, S, D)
 
     def keys(self, layer: int) -> torch.Tensor:
         """The layer's keys in token order, (1, Hkv, S, D): a copy gathered from the blocks."""
@@ -250,7 +244,7 @@ class PagedKVCache:
 
     def fork(self) -> "PagedKVCache":
         """A second sequence with the same tokens so far, sharing every block (copied only when written)."""
-        other = PagedKVCache(self.pool)
+        other = type(self)(self.pool)
         for block in self.table:
             self.pool.share(block)
         other.table, other._len = list(self.table), list(self._len)

@@ -134,6 +134,61 @@ def close_pools() -> None:
         _pools.popitem()[1].close()
 
 
+# --------------------------------------------------------------------------- lesson 08: the paged cache
+
+def paged_run(ops, *, prepare=None, gather=None, block_size: int = 4, n_blocks: int = 32, seed: int = 0) -> dict:
+    """Run ``ops`` on sequences of one paged cache whose steps are the submitted ``prepare`` and ``gather``.
+
+    ``prepare`` (Exercise 8.1) and ``gather`` (8.2) replace ``PagedKVCache``'s
+    own steps; None keeps toyllm's. The model is the tiny preset built with
+    ``seed``. ops, in order: ``("feed", i, ids)`` runs the model on new token
+    ids of sequence i (i == the number of sequences so far starts one);
+    ``("fork", i)`` starts a sequence sharing every block of sequence i;
+    ``("release", i)`` gives sequence i's blocks back.
+
+    Returns plain data: ``logits`` (the float32 logits of the last token of
+    each feed, in order), ``tables`` (after each op, every sequence's block
+    table), ``refs`` and ``free`` (the pool's use counts and free blocks at
+    the end), ``lengths`` (tokens each sequence holds at the end).
+    """
+    from toyllm import build_model
+    from toyllm.paged import BlockPool, PagedKVCache
+
+    class Submitted(PagedKVCache):
+        def _prepare(self, start: int, T: int) -> None:
+            if prepare is None:
+                return super()._prepare(start, T)
+            self.table = [int(b) for b in prepare(self.pool, self.table, start, T)]
+
+        def _gather(self, store, layer: int):
+            if gather is None:
+                return super()._gather(store, layer)
+            return gather(store, self.table, layer, self._len[layer])
+
+    model = build_model("tiny", seed=seed)
+    pool = BlockPool.for_model(model.config, n_blocks, block_size)
+    caches: list[PagedKVCache] = []
+    logits, tables = [], []
+    with torch.inference_mode():
+        for op in ops:
+            kind, i = op[0], op[1]
+            if kind == "feed":
+                if i == len(caches):
+                    caches.append(Submitted(pool))
+                cache = caches[i]
+                ids = torch.tensor([list(op[2])])
+                logits.append(model(ids, input_pos=cache.length, cache=cache)[0, -1].float().clone())
+            elif kind == "fork":
+                caches.append(caches[i].fork())
+            elif kind == "release":
+                caches[i].release()
+            else:
+                raise ValueError(f"unknown op {kind!r}")
+            tables.append([list(c.table) for c in caches])
+    return {"logits": logits, "tables": tables, "refs": list(pool.refs), "free": pool.free_blocks,
+            "lengths": [c.length for c in caches]}
+
+
 # --------------------------------------------------------------------------- lessons 06-07: searches
 
 class _Evaluations:

@@ -1,0 +1,99 @@
+"""Lesson 08 exercises: serving many users from one paged KV cache.
+
+A server keeps the keys and values of many sequences at once. A paged cache
+cuts its memory into blocks of ``block_size`` token rows, preallocated in a
+``toyllm.paged.BlockPool``; each sequence lists its blocks in a *block
+table*, and token t of a sequence lives in block ``table[t // block_size]``
+at row ``t % block_size``. Sequences may share blocks (a forked sequence, a
+common system prompt): ``pool.refs[b]`` counts the sequences using block b,
+and a sequence copies a shared block before writing into it.
+
+The two functions below are the paged cache's own steps: every call of
+``PagedKVCache.update`` asks ``prepare_blocks`` for the blocks it writes
+into, and every attention over the cache reads the rows back with
+``gather_rows``. Lesson 08's serving runs (continuous batching, chunked
+prefill, prefix sharing) all run through them.
+
+| exercise | function       | points |
+|----------|----------------|--------|
+| 8.1      | prepare_blocks | 4      |
+| 8.2      | gather_rows    | 3      |
+
+Reach this file with ``toyllm.grading.load_exercise("ex08")``; check your
+work with ``python -m toyllm grade --only ex08``.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def prepare_blocks(pool, table: list[int], start: int, tokens: int) -> list[int]:
+    """Exercise 8.1 (4 points): the block table a sequence writes rows start .. start + tokens - 1 with.
+
+    pool: a ``toyllm.paged.BlockPool``. ``pool.block_size``: token rows per
+        block; ``pool.refs[b]``: how many sequences use block b;
+        ``pool.allocate()``: a fresh block id, now used once (MemoryError
+        when none is left); ``pool.release(b)``: one user less for block b;
+        ``pool.k[b]``, ``pool.v[b]``: block b's keys and values, every layer
+        (tensors you may copy rows between).
+    table: the sequence's block table (block ids in token order). It holds
+        rows 0 .. start - 1 already; its last block may have rows to spare.
+    Return the table to write with: every block that will hold one of the
+    rows start .. start + tokens - 1 must be used by this sequence alone. A block of the table
+    another sequence also uses (refs > 1) is replaced by a copy
+    (*copy-on-write*: a fresh block, the shared block's keys and values
+    copied into it, this sequence's use of the shared block released); a
+    block this sequence alone uses is kept as it is, without a copy. Then
+    fresh blocks are appended until the table reaches row start + tokens -
+    1, and not one block more. Blocks that hold only rows before ``start``
+    stay shared. Raises ValueError when start < 0, tokens < 1, or start is
+    beyond the rows the table holds (len(table) * block_size): a gap.
+    """
+    # BEGIN SOLUTION 8.1 hint: bs = pool.block_size; first, last = start // bs, (start + tokens - 1) // bs; for i in first .. min(last, len(table) - 1): if pool.refs[table[i]] > 1: new = pool.allocate(); pool.k[new] = pool.k[old]; pool.v[new] = pool.v[old]; pool.release(old); then append pool.allocate() while len(table) <= last
+    # idea: find the blocks the new rows land in; a shared one among them becomes a private copy, the missing ones come fresh from the pool
+    if start < 0 or tokens < 1:
+        raise ValueError(f"need start >= 0 and tokens >= 1, got start={start}, tokens={tokens}")
+    bs = pool.block_size
+    if start > len(table) * bs:
+        raise ValueError(f"start={start} leaves a gap: the table's {len(table)} blocks hold rows "
+                         f"0 .. {len(table) * bs - 1}")
+    table = list(table)
+    first, last = start // bs, (start + tokens - 1) // bs        # the blocks the new rows land in
+    for i in range(first, min(last + 1, len(table))):
+        shared = table[i]
+        if pool.refs[shared] > 1:                                # another sequence reads it: copy, then write
+            own = pool.allocate()
+            pool.k[own] = pool.k[shared]
+            pool.v[own] = pool.v[shared]
+            pool.release(shared)
+            table[i] = own
+    while len(table) <= last:
+        table.append(pool.allocate())
+    return table
+    # END SOLUTION
+
+
+def gather_rows(store: torch.Tensor, table: list[int], layer: int, length: int) -> torch.Tensor:
+    """Exercise 8.2 (3 points): one layer's rows of a sequence, gathered from its blocks in token order.
+
+    store: the pool's keys (or values), (n_blocks, n_layers, n_kv_heads,
+        block_size, head_dim). table: the sequence's block table.
+    layer: which layer. length: how many tokens the sequence holds in it
+        (its last block may hold fewer than block_size of them).
+    Returns a new contiguous tensor (1, n_kv_heads, length, head_dim): row t
+    is token t, read from block table[t // block_size], row t % block_size;
+    the same dtype as ``store``. This is what attention over a block table
+    reads: the model attends over it exactly as over lesson 02's cache.
+    Raises ValueError when length < 0 or the table holds fewer than
+    ``length`` rows.
+    """
+    # BEGIN SOLUTION 8.2 hint: n = ceil(length / block_size) blocks; rows = store[table[:n], layer] is (n, Hkv, bs, D); move the block axis next to the rows (transpose(0, 1)), reshape to (Hkv, n * bs, D), keep the first length rows, add the batch axis, .contiguous()
+    # idea: take the sequence's blocks of this layer in table order, lay their rows end to end per head, and cut at the sequence's length
+    block_size = store.shape[-2]
+    if length < 0 or length > len(table) * block_size:
+        raise ValueError(f"length must be in 0 .. {len(table) * block_size} (the table's rows), got {length}")
+    n = -(-length // block_size)                                         # blocks that hold the rows
+    rows = store[table[:n], layer]                                       # (n, Hkv, block_size, D)
+    hkv, d = rows.shape[1], rows.shape[-1]
+    return rows.transpose(0, 1).reshape(hkv, n * block_size, d)[:, :length].unsqueeze(0).contiguous()  # (1, Hkv, S, D)
+    # END SOLUTION

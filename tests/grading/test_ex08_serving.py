@@ -1,0 +1,210 @@
+"""Graded tests of lesson 08 (ex08_serving): 7 points.
+
+8.1 prepare_blocks 4, 8.2 gather_rows 3.
+The submitted steps run inside toyllm's paged cache (``harness.paged_run``,
+in the submission's process) while the tiny model prefills and decodes
+several sequences: growing ones, chunks that cross a block's end, forks that
+share blocks and then write. References live here: the same sequences fed
+to lesson 02's ``DynamicKVCache`` (logits within LOGIT_ATOL), the number of
+blocks each length needs, the pool's use counts, and rows gathered one
+token at a time.
+"""
+import copy
+import math
+
+import pytest
+import torch
+
+from toyllm import DynamicKVCache, build_model
+from toyllm.grading import sandboxed
+from toyllm.grading.expect import equal, raises, tensors_close
+from toyllm.paged import BlockPool
+
+LOGIT_ATOL = 1e-5       # float32 logits of the tiny model; the paged and the dynamic cache hold the same rows
+BLOCK = 4               # tokens per block in these tests: small, so that short prompts cross block ends
+
+
+def reference(ops) -> list[torch.Tensor]:
+    """The last-token logits of every feed of ``ops``, each sequence in a DynamicKVCache of its own."""
+    model = build_model("tiny", seed=0)
+    caches, out = [], []
+    with torch.inference_mode():
+        for op in ops:
+            if op[0] == "feed":
+                if op[1] == len(caches):
+                    caches.append(DynamicKVCache(model.config.n_layers))
+                cache = caches[op[1]]
+                out.append(model(torch.tensor([list(op[2])]), input_pos=cache.length, cache=cache)[0, -1].float())
+            elif op[0] == "fork":
+                caches.append(copy.deepcopy(caches[op[1]]))
+            # "release": the sequence ends, and its cache is not used again
+    return out
+
+
+def run(ops, prepare=None, gather=None, n_blocks=32):
+    return sandboxed("toyllm.grading.harness:paged_run", ops, prepare=prepare, gather=gather, block_size=BLOCK,
+                     n_blocks=n_blocks)
+
+
+def check_logits(got, ops, what):
+    for n, (g, want) in enumerate(zip(got["logits"], reference(ops))):
+        feeds = [op for op in ops if op[0] == "feed"]
+        seq, ids = feeds[n][1], feeds[n][2]
+        tensors_close(g, want, f"{what}: logits after feed {n + 1} (sequence {seq}, {len(ids)} new tokens)",
+                      atol=LOGIT_ATOL)
+
+
+def tokens(n, start=1):
+    return [(start + 7 * i) % 256 for i in range(n)]
+
+
+def growing(chunks, seq=0, start=1):
+    """Feeds of one sequence, chunk by chunk."""
+    ops, fed = [], 0
+    for c in chunks:
+        ops.append(("feed", seq, tokens(c, start + fed)))
+        fed += c
+    return ops
+
+
+# --------------------------------------------------------------------------- 8.1
+
+@pytest.mark.exercise("8.1")
+@pytest.mark.points(1)
+def test_ex8_1_a_growing_sequence_gets_exactly_the_blocks_it_needs(ex08, drawn):
+    rng = drawn.rng("8.1")
+    for chunks, note in [([5, 3, 1, 6, 1], ""), ([4, 4, 1], ""),
+                         ([rng.randint(1, 9) for _ in range(rng.randint(3, 6))], f"; {drawn}")]:
+        ops = growing(chunks)
+        what = f"prepare_blocks in the paged cache, one sequence fed chunks {chunks} (block_size {BLOCK}{note})"
+        got = run(ops, prepare=ex08.prepare_blocks)
+        fed = 0
+        for c, tables in zip(chunks, got["tables"]):
+            fed += c
+            table = tables[0]
+            if len(table) != math.ceil(fed / BLOCK):
+                raise AssertionError(f"{what}: after {fed} tokens the table has {len(table)} blocks {table}, "
+                                     f"expected ceil({fed} / {BLOCK}) = {math.ceil(fed / BLOCK)}")
+            if len(set(table)) != len(table):
+                raise AssertionError(f"{what}: after {fed} tokens the table {table} lists a block twice")
+        check_logits(got, ops, what)
+
+
+@pytest.mark.exercise("8.1")
+@pytest.mark.points(1)
+def test_ex8_1_a_fork_copies_the_block_it_writes_into(ex08):
+    # sequence 0 holds 6 tokens: block 0 full, block 1 half full; sequence 1 forks it, both go on differently
+    ops = [("feed", 0, tokens(6)), ("fork", 0), ("feed", 1, tokens(2, 100)), ("feed", 0, tokens(2, 200)),
+           ("feed", 1, tokens(1, 150)), ("feed", 0, tokens(3, 250))]
+    what = "prepare_blocks in the paged cache, a sequence of 6 tokens forked, then both fed different tokens"
+    got = run(ops, prepare=ex08.prepare_blocks)
+    parent, child = got["tables"][2]
+    if child[0] != parent[0]:
+        raise AssertionError(f"{what}: the fork's first block {child[0]} is not the parent's {parent[0]}: a full "
+                             "block that nobody writes into stays shared")
+    if child[1] == parent[1]:
+        raise AssertionError(f"{what}: after the fork wrote rows 6-7, it still shares block {child[1]} with the "
+                             "parent: a shared block must be copied before it is written into")
+    parent_after = got["tables"][3][0]
+    if parent_after[:2] != parent[:2]:
+        raise AssertionError(f"{what}: the parent's blocks changed from {parent[:2]} to {parent_after[:2]} when it "
+                             "wrote next; once the fork had its own copy, the parent used its block alone and needed "
+                             "no copy")
+    check_logits(got, ops, what)
+
+
+@pytest.mark.exercise("8.1")
+@pytest.mark.points(1)
+def test_ex8_1_every_block_returns_to_the_pool(ex08):
+    ops = [("feed", 0, tokens(7)), ("fork", 0), ("fork", 0), ("feed", 1, tokens(3, 50)), ("feed", 2, tokens(5, 90)),
+           ("release", 0), ("feed", 1, tokens(1, 60)), ("release", 1), ("release", 2)]
+    what = "prepare_blocks, a 7-token sequence forked twice, the forks fed, then every sequence released"
+    got = run(ops, prepare=ex08.prepare_blocks, n_blocks=12)
+    check_logits(got, ops, what)
+    used = {b: n for b, n in enumerate(got["refs"]) if n}
+    if used or got["free"] != 12:
+        raise AssertionError(f"{what}: {12 - got['free']} of 12 blocks are still in use (use counts {used}): a "
+                             "copied block's original must be released, once")
+
+
+@pytest.mark.exercise("8.1")
+@pytest.mark.points(1)
+def test_ex8_1_a_block_used_alone_is_not_copied_and_bad_input(ex08):
+    ops = growing([3, 2, 2])
+    got = run(ops, prepare=ex08.prepare_blocks)
+    first = got["tables"][0][0]
+    for n, tables in enumerate(got["tables"][1:], 2):
+        if tables[0][:len(first)] != first:
+            raise AssertionError(f"prepare_blocks, one sequence fed chunks [3, 2, 2]: after feed {n} its blocks "
+                                 f"{tables[0]} no longer begin with {first}: a block only this sequence uses is "
+                                 "written in place, never copied")
+    pool = BlockPool(4, BLOCK, 1, 1, 2)
+    raises(ValueError, ex08.prepare_blocks, pool, [], -1, 2, call="prepare_blocks(pool, [], start=-1, tokens=2)",
+           why="start < 0")
+    raises(ValueError, ex08.prepare_blocks, pool, [], 0, 0, call="prepare_blocks(pool, [], start=0, tokens=0)",
+           why="tokens < 1")
+    raises(ValueError, ex08.prepare_blocks, pool, [], 5, 1, call="prepare_blocks(pool, [], start=5, tokens=1)",
+           why="an empty table holds no rows, so row 5 would leave a gap")
+
+
+# --------------------------------------------------------------------------- 8.2
+
+def gathered_one_by_one(store, table, layer, length):
+    """Row t of the answer is token t: block table[t // block_size], row t % block_size."""
+    bs = store.shape[-2]
+    rows = [store[table[t // bs], layer, :, t % bs] for t in range(length)]                  # each (Hkv, D)
+    if not rows:
+        return store.new_zeros(1, store.shape[2], 0, store.shape[-1])
+    return torch.stack(rows, dim=1).unsqueeze(0)                                              # (1, Hkv, S, D)
+
+
+@pytest.mark.exercise("8.2")
+@pytest.mark.points(1)
+def test_ex8_2_rows_in_token_order(ex08, drawn):
+    gen = drawn.generator("8.2")
+    rng = drawn.rng("8.2")
+    store = torch.randn(8, 3, 2, BLOCK, 5)                     # (n_blocks, n_layers, Hkv, block_size, D)
+    blocks = rng.sample(range(8), 4)
+    cases = [([5, 1, 6], 2, 10, ""), ([3], 0, 4, ""), ([7, 2], 1, 5, ""),
+             (blocks, rng.randrange(3), rng.randint(1, 4 * BLOCK), f" ({drawn})")]
+    for table, layer, length, note in cases:
+        store = torch.randn(8, 3, 2, BLOCK, 5, generator=gen)
+        call = f"gather_rows(store (8, 3, 2, {BLOCK}, 5), table={table}, layer={layer}, length={length}){note}"
+        got = ex08.gather_rows(store, table, layer, length)
+        want = gathered_one_by_one(store, table, layer, length)
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape) or got.dtype != store.dtype:
+            raise AssertionError(f"{call}: expected a {store.dtype} tensor of shape {tuple(want.shape)} "
+                                 f"(1, n_kv_heads, length, head_dim), got "
+                                 f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}"
+                                 f"{' ' + str(got.dtype) if isinstance(got, torch.Tensor) else ''}")
+        if not torch.equal(got, want):
+            t = next(t for t in range(length) if not torch.equal(got[0, :, t], want[0, :, t]))
+            raise AssertionError(f"{call}: row {t} is not token {t}'s, which lives in block "
+                                 f"{table[t // BLOCK]} at row {t % BLOCK}")
+        if not got.is_contiguous():
+            raise AssertionError(f"{call}: the result is not contiguous")
+
+
+@pytest.mark.exercise("8.2")
+@pytest.mark.points(1)
+def test_ex8_2_the_model_attends_over_the_blocks(ex08):
+    ops = [("feed", 0, tokens(6)), ("feed", 0, tokens(1, 40)), ("fork", 0), ("feed", 1, tokens(5, 80)),
+           ("feed", 0, tokens(2, 120)), ("feed", 2, tokens(9, 160)), ("feed", 1, tokens(1, 170))]
+    check_logits(run(ops, gather=ex08.gather_rows), ops,
+                 "gather_rows in the paged cache, sequences of 6, 7, 9 and 12 tokens, one of them forked")
+
+
+@pytest.mark.exercise("8.2")
+@pytest.mark.points(1)
+def test_ex8_2_no_rows_and_bad_input(ex08):
+    store = torch.randn(4, 2, 3, BLOCK, 2, dtype=torch.float64)
+    got = ex08.gather_rows(store, [2], 1, 0)
+    call = "gather_rows(store (4, 2, 3, 4, 2) float64, table=[2], layer=1, length=0)"
+    if not isinstance(got, torch.Tensor):
+        raise AssertionError(f"{call}: expected a tensor, got {type(got).__name__}")
+    equal(tuple(got.shape), (1, 3, 0, 2), call + ".shape")
+    equal(got.dtype, torch.float64, call + ".dtype")
+    raises(ValueError, ex08.gather_rows, store, [2, 0], 0, 9, call="gather_rows(store, table=[2, 0], layer=0, "
+           "length=9)", why="two blocks of 4 rows hold 8 tokens at most")
+    raises(ValueError, ex08.gather_rows, store, [2], 0, -1, call="gather_rows(store, table=[2], layer=0, length=-1)",
+           why="length < 0")
