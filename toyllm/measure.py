@@ -284,3 +284,97 @@ def one_process_baseline(one_thread: Sequence[float] | Spread, two_threads: Sequ
                             "core, so the baseline is one process with 1 thread, what a user would run here")
     return TWO_THREADS, (f"{v.sentence('2 threads', '1 thread')}; the baseline is one process with 2 threads, "
                          "what a user gets by default")
+
+
+# --------------------------------------------------------------------------- parallel prefill, as the lessons time it
+
+@dataclass(frozen=True)
+class PrefillComparison:
+    """One prompt prefilled by one process (1 and 2 threads) and by parallel configurations, runs interleaved.
+
+    ``runs``: the TTFT runs (seconds) of every configuration, the two
+    one-process ones first. ``baseline`` is the one-process configuration a
+    user would run here (``one_process_baseline``), ``why`` says why.
+    ``results``: the last PrefillResult of each configuration (timelines, logits).
+    """
+
+    context: int
+    machine: MachineState
+    runs: dict[str, Spread]
+    baseline: str
+    why: str
+    results: dict
+
+    @property
+    def parallel(self) -> list[str]:
+        """The names of the parallel configurations, in the order they were given."""
+        return [name for name in self.runs if name not in (ONE_THREAD, TWO_THREADS)]
+
+    def verdict(self, name: str, base: str | None = None) -> Verdict:
+        """``name`` against ``base`` (default: the one-process baseline), from their runs."""
+        return compare(self.runs[name], self.runs[base or self.baseline])
+
+    def lines(self) -> list[str]:
+        """What the lessons print after the machine's line: the baseline and why, then every
+        configuration's runs with its verdict against the baseline."""
+        width = max(map(len, self.runs))
+        out = [f"baseline: {self.why}",
+               f"{self.context} tokens, TTFT of each configuration, median [fastest-slowest run] of "
+               f"{len(next(iter(self.runs.values())).runs)} interleaved runs:"]
+        for name, s in self.runs.items():
+            verdict = "the baseline" if name == self.baseline else f"{self.verdict(name).than} the baseline"
+            out.append(f"  {name:<{width}}  {str(s):<26}  {verdict}")
+        return out
+
+    def fastest_line(self) -> str:
+        """Which configuration has the lowest median, and whether its runs set it apart from the runner-up."""
+        first, second = sorted(self.runs, key=lambda name: self.runs[name].median)[:2]
+        v = compare(self.runs[first], self.runs[second])
+        if v.decided:
+            return f"fastest here: {first}, {v.than} {second}, the runner-up"
+        return (f"lowest median here: {first}, but it ties with the runner-up, {second} ({v.ratio:.2f}x, inside "
+                "the spread of the runs): no single fastest")
+
+
+def compare_prefills(spec, ids: Sequence[int], parallel: dict[str, dict], *, single_spec=None, rounds: int = 3,
+                     warmup: int = 1, world_size: int = 2, timeout_s: float = 120.0,
+                     machine: MachineState | None = None) -> PrefillComparison:
+    """Time one process (1 thread, 2 threads) and each parallel configuration on ``ids``, in turns.
+
+    ``parallel``: a name for each configuration -> keyword arguments of
+    ``toyllm.parallel.parallel_prefill`` besides the spec and the prompt
+    (``method``, ``partition``, ``overlap``, ...). All of them run in one
+    pool of ``world_size`` processes with one thread each, started once;
+    ``timeout_s`` (seconds) is that pool's limit for one run. ``single_spec``:
+    the model the one-process runs use (default ``spec``). Every round runs
+    every configuration once (``warmup`` untimed rounds first), so a slow
+    spell of the machine hits all alike; ``machine`` (``check_machine``,
+    whose line a lesson prints before timing) is measured first unless given.
+    """
+    from .launch import WorkerPool
+    from .parallel import parallel_prefill
+
+    machine = check_machine() if machine is None else machine
+    single_spec = spec if single_spec is None else single_spec
+    results: dict = {}
+
+    def single(threads: int, name: str):
+        def run() -> float:
+            results[name] = parallel_prefill(single_spec, ids, "single", 1, threads_per_rank=threads, warmup=0)
+            return results[name].ttft_runs[0]
+        return run
+
+    with WorkerPool(world_size, threads_per_rank=1, timeout_s=timeout_s) as pool:
+        def on_pool(name: str, kwargs: dict):
+            def run() -> float:
+                results[name] = parallel_prefill(spec, ids, world_size=world_size, pool=pool, warmup=0,
+                                                 timeout_s=timeout_s, **kwargs)
+                return results[name].ttft_runs[0]
+            return run
+
+        fns = {ONE_THREAD: single(1, ONE_THREAD), TWO_THREADS: single(2, TWO_THREADS)}
+        fns.update({name: on_pool(name, kwargs) for name, kwargs in parallel.items()})
+        runs = interleaved_runs(fns, rounds, warmup=warmup)
+    baseline, why = one_process_baseline(runs[ONE_THREAD], runs[TWO_THREADS])
+    return PrefillComparison(len(ids), machine, {name: spread(ts) for name, ts in runs.items()}, baseline, why,
+                             results)

@@ -1,0 +1,160 @@
+"""Words against numbers: the verdicts a lesson prints must agree with the runs printed beside them.
+
+Lessons 04 and 05 time one process (1 and 2 threads) and parallel prefills
+with ``toyllm.measure.compare_prefills`` and print its lines. The slow test
+runs that measurement, in fast-mode sizes, while a CPU hog spins on every
+core (the machine a learner shares with other work), and checks the printed
+text against the printed numbers:
+
+- "faster than" / "slower than" only where the printed ranges of the runs do
+  not overlap, and exactly where measure's own decision on those runs says so;
+- an "oversubscribed" line, and one thread as the baseline, exactly when two
+  threads lost to one in the printed runs.
+
+No assertion is about a timing itself: whichever way the runs come out, the
+words must follow them.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from toyllm.measure import (ONE_THREAD, TWO_THREADS, MachineState, PrefillComparison, check_machine, compare,
+                            compare_prefills, spread, usable_cores)
+
+UNITS = {"ms": 1e-3, "s": 1.0}
+# "512.0 ms [498.0-530.0 ms]", "1.600 s [1.500-1.700 s]" or, units mixed, "926.0 ms [128.8 ms-1.074 s]"
+SPREAD = re.compile(r"(\d+\.\d+) (ms|s) \[(\d+\.\d+)(?: (ms|s))?-(\d+\.\d+) (ms|s)\]")
+WORDS = {"faster than": "faster", "slower than": "slower", "as fast (": "tie", "not comparable": "undecided"}
+
+
+def printed_range(text: str) -> tuple[float, float]:
+    """(lowest, highest) run in seconds, as a Spread printed them."""
+    m = SPREAD.search(text)
+    assert m, f"no range of runs in {text!r}"
+    _, _, low, low_unit, high, high_unit = m.groups()
+    return float(low) * UNITS[low_unit or high_unit], float(high) * UNITS[high_unit]
+
+
+def printed_word(text: str) -> str:
+    found = [word for key, word in WORDS.items() if key in text]
+    assert len(found) == 1, f"expected one verdict in {text!r}, found {found}"
+    return found[0]
+
+
+def check_consistency(machine: MachineState, measured: PrefillComparison, printed: list[str]) -> None:
+    """The printed lines (machine line first) agree with the printed runs and with measure's decisions on them."""
+    machine_line, baseline_line, *rest = printed
+    assert machine_line == machine.line
+    assert ("oversubscribed" in machine_line) == (machine.threads.word == "slower"), machine_line
+
+    threads = compare(measured.runs[TWO_THREADS], measured.runs[ONE_THREAD])
+    lost = threads.word == "slower"
+    assert ("oversubscribed" in baseline_line) == lost, baseline_line
+    assert measured.baseline == (ONE_THREAD if lost else TWO_THREADS), (measured.baseline, baseline_line)
+
+    rows = {}
+    for line in rest:
+        for name in measured.runs:
+            if line.strip().startswith(name + " ") and SPREAD.search(line):
+                rows[name] = line
+    assert set(rows) == set(measured.runs), (sorted(rows), printed)
+    base_low, base_high = printed_range(rows[measured.baseline])
+    for name, line in rows.items():
+        assert str(measured.runs[name]) in line, (name, line)        # the numbers printed are the runs
+        if name == measured.baseline:
+            assert line.rstrip().endswith("the baseline"), line
+            continue
+        word = printed_word(line)
+        assert word == compare(measured.runs[name], measured.runs[measured.baseline]).word, line
+        low, high = printed_range(line)
+        if word == "faster":
+            assert high <= base_low, f"'faster' where the printed ranges overlap: {line!r} vs {rows[measured.baseline]!r}"
+        elif word == "slower":
+            assert low >= base_high, f"'slower' where the printed ranges overlap: {line!r} vs {rows[measured.baseline]!r}"
+
+    fastest = measured.fastest_line()
+    first, second = sorted(measured.runs, key=lambda n: measured.runs[n].median)[:2]
+    decided = compare(measured.runs[first], measured.runs[second]).decided
+    assert fastest.startswith("fastest here") == decided and ("ties" in fastest) == (not decided), fastest
+
+
+def comparison(one, two, tsp, load=0.5, machine_two=None) -> tuple[MachineState, PrefillComparison]:
+    from toyllm.measure import one_process_baseline
+
+    machine = MachineState(2, load, spread([0.020, 0.021, 0.022]), spread(machine_two or [0.012, 0.013, 0.014]))
+    baseline, why = one_process_baseline(one, two)
+    runs = {ONE_THREAD: spread(one), TWO_THREADS: spread(two), "TSP, 2 processes": spread(tsp)}
+    return machine, PrefillComparison(1024, machine, runs, baseline, why, {})
+
+
+@pytest.mark.parametrize("one, two, tsp, machine_two", [
+    ([1.0, 1.02, 1.05], [0.60, 0.62, 0.64], [0.50, 0.52, 0.55], None),              # 2 threads win, TSP faster
+    ([1.0, 1.02, 1.05], [2.0, 2.4, 2.6], [0.98, 1.01, 1.20], [0.05, 0.06, 0.07]),    # oversubscribed, TSP ties
+    ([0.09, 0.1, 0.102], [0.0995, 0.1, 1.2], [0.2, 0.21, 0.4], None),                # ms and mixed units
+])
+def test_the_checker_accepts_what_measure_prints(one, two, tsp, machine_two):
+    machine, measured = comparison(one, two, tsp, machine_two=machine_two)
+    check_consistency(machine, measured, [machine.line, *measured.lines()])
+
+
+def test_the_checker_catches_a_verdict_the_ranges_do_not_support():
+    machine, measured = comparison([1.0, 1.02, 1.05], [0.60, 0.62, 0.64], [0.58, 0.61, 0.70])   # TSP ties
+    lines = [machine.line, *measured.lines()]
+    forged = [line.replace("as fast (", "1.02x faster than (") if "TSP" in line else line for line in lines]
+    with pytest.raises(AssertionError):
+        check_consistency(machine, measured, forged)
+    machine, measured = comparison([1.0, 1.02, 1.05], [2.0, 2.4, 2.6], [0.5, 0.5, 0.5])
+    quiet = [line.replace("oversubscribed: ", "") for line in [machine.line, *measured.lines()]]
+    with pytest.raises(AssertionError):
+        check_consistency(machine, measured, quiet)
+
+
+@pytest.fixture
+def cpu_hog():
+    """A process spinning on every usable core for the test's duration (each stops by itself after 5 minutes)."""
+    spin = "import time\nend = time.monotonic() + 300\nwhile time.monotonic() < end:\n    pass\n"
+    hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(usable_cores())]
+    try:
+        time.sleep(0.5)                       # let them start spinning
+        yield len(hogs)
+    finally:
+        for p in hogs:
+            p.kill()
+        for p in hogs:
+            p.wait(timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_lesson_05_verdicts_follow_the_runs_beside_a_cpu_hog(cpu_hog):
+    from toyllm.parallel import ModelSpec
+    from toyllm.partition import partition_from_ratios
+    from toyllm.utils import random_prompt
+
+    C = 256                                             # small: the verdicts matter here, not the sizes
+    machine = check_machine()
+    configurations = {"TSP": dict(method="tsp"), "KVR-E": dict(method="kvr"),
+                      "KVR, 60% on rank 0": dict(method="kvr", partition=partition_from_ratios(C, [0.6, 0.4]))}
+    measured = compare_prefills(ModelSpec("bench"), random_prompt(C, 256), configurations, rounds=3,
+                                machine=machine, timeout_s=120)
+    printed = [machine.line, *measured.lines()]
+    print("\n".join(printed))
+    assert list(measured.runs) == [ONE_THREAD, TWO_THREADS, *configurations]
+    assert all(len(s.runs) == 3 for s in measured.runs.values())
+    check_consistency(machine, measured, printed)
+    for name in measured.parallel:                      # the sentence a lesson prints beside the table
+        v = measured.verdict(name)
+        sentence = v.sentence(name, measured.baseline)
+        ours, base = (printed_range(part) for part in sentence.split(" vs ", 1))
+        assert (f"{name} is" in sentence) == v.decided, sentence
+        if v.word == "faster":
+            assert ours[1] <= base[0] and "faster" in sentence, sentence
+        elif v.word == "slower":
+            assert ours[0] >= base[1] and "slower" in sentence, sentence
+        else:
+            assert "a tie" in sentence and "faster" not in sentence and "slower" not in sentence, sentence
