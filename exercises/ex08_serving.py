@@ -12,12 +12,15 @@ The two functions below are the paged cache's own steps: every call of
 ``PagedKVCache.update`` asks ``prepare_blocks`` for the blocks it writes
 into, and every attention over the cache reads the rows back with
 ``gather_rows``. Lesson 08's serving runs (continuous batching, chunked
-prefill, prefix sharing) all run through them.
+prefill, prefix sharing) all run through them, and each of their
+iterations is planned by ``plan_iteration``: which sequences feed how many
+tokens under the iteration's token budget.
 
 | exercise | function       | points |
 |----------|----------------|--------|
 | 8.1      | prepare_blocks | 4      |
 | 8.2      | gather_rows    | 3      |
+| 8.3      | plan_iteration | 3      |
 
 Reach this file with ``toyllm.grading.load_exercise("ex08")``; check your
 work with ``python -m toyllm grade --only ex08``.
@@ -71,3 +74,28 @@ def gather_rows(store: torch.Tensor, table: list[int], layer: int, length: int) 
     raise NotImplementedError(
         "Exercise 8.2: implement gather_rows (idea: take the sequence's blocks of this layer in "
         "table order, lay their rows end to end per head, and cut at the sequence's length)")
+
+
+def plan_iteration(prompt_left: list[int], done: list[bool], token_budget: int | None) -> list[int]:
+    """Exercise 8.3 (3 points): how many tokens each running sequence feeds in one iteration of the server.
+
+    One entry per running sequence, in the order they joined the batch:
+    prompt_left[i]: tokens of sequence i's prompt not yet fed (0 once its
+        whole prompt is in the cache: then it decodes, one token per
+        iteration); done[i]: the sequence has all its output tokens (a
+        static batch keeps such a sequence until the whole batch ends).
+    token_budget: the most tokens one iteration may carry (chunked prefill),
+        or None for no limit (every waiting prompt fed whole).
+    Return a list of ints n, one per sequence: 0 for a done sequence; 1 for
+    each decoding one, and the decodes come first (no prompt may take a
+    decode's token); then the prompts, in order, each as many of its
+    remaining tokens as the budget still leaves (all of them without a
+    budget, possibly 0 when the budget is spent). The n add up to at most
+    ``token_budget``. Raises ValueError when the lists differ in length, an
+    entry of prompt_left is negative, a done sequence still has prompt
+    left, token_budget < 1, or the budget cannot carry the decodes.
+    """
+    raise NotImplementedError(
+        "Exercise 8.3: implement plan_iteration (idea: serve everyone who is decoding first, one "
+        "token each, then hand what the budget has left to the waiting prompts in the order they "
+        "came)")

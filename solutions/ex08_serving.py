@@ -12,12 +12,15 @@ The two functions below are the paged cache's own steps: every call of
 ``PagedKVCache.update`` asks ``prepare_blocks`` for the blocks it writes
 into, and every attention over the cache reads the rows back with
 ``gather_rows``. Lesson 08's serving runs (continuous batching, chunked
-prefill, prefix sharing) all run through them.
+prefill, prefix sharing) all run through them, and each of their
+iterations is planned by ``plan_iteration``: which sequences feed how many
+tokens under the iteration's token budget.
 
 | exercise | function       | points |
 |----------|----------------|--------|
 | 8.1      | prepare_blocks | 4      |
 | 8.2      | gather_rows    | 3      |
+| 8.3      | plan_iteration | 3      |
 
 Reach this file with ``toyllm.grading.load_exercise("ex08")``; check your
 work with ``python -m toyllm grade --only ex08``.
@@ -96,4 +99,51 @@ def gather_rows(store: torch.Tensor, table: list[int], layer: int, length: int) 
     rows = store[table[:n], layer]                                       # (n, Hkv, block_size, D)
     hkv, d = rows.shape[1], rows.shape[-1]
     return rows.transpose(0, 1).reshape(hkv, n * block_size, d)[:, :length].unsqueeze(0).contiguous()  # (1, Hkv, S, D)
+    # END SOLUTION
+
+
+def plan_iteration(prompt_left: list[int], done: list[bool], token_budget: int | None) -> list[int]:
+    """Exercise 8.3 (3 points): how many tokens each running sequence feeds in one iteration of the server.
+
+    One entry per running sequence, in the order they joined the batch:
+    prompt_left[i]: tokens of sequence i's prompt not yet fed (0 once its
+        whole prompt is in the cache: then it decodes, one token per
+        iteration); done[i]: the sequence has all its output tokens (a
+        static batch keeps such a sequence until the whole batch ends).
+    token_budget: the most tokens one iteration may carry (chunked prefill),
+        or None for no limit (every waiting prompt fed whole).
+    Return a list of ints n, one per sequence: 0 for a done sequence; 1 for
+    each decoding one, and the decodes come first (no prompt may take a
+    decode's token); then the prompts, in order, each as many of its
+    remaining tokens as the budget still leaves (all of them without a
+    budget, possibly 0 when the budget is spent). The n add up to at most
+    ``token_budget``. Raises ValueError when the lists differ in length, an
+    entry of prompt_left is negative, a done sequence still has prompt
+    left, token_budget < 1, or the budget cannot carry the decodes.
+    """
+    # BEGIN SOLUTION 8.3 hint: decoding = [not d and left == 0 ...]; budget -= their count (ValueError if it goes below 0); n[i] = 1 for them; then for each prefilling i in order: n[i] = left if budget is None else min(left, budget); budget -= n[i]
+    # idea: serve everyone who is decoding first, one token each, then hand what the budget has left to the waiting prompts in the order they came
+    if len(prompt_left) != len(done):
+        raise ValueError(f"prompt_left has {len(prompt_left)} entries and done {len(done)}: one each per sequence")
+    if any(left < 0 for left in prompt_left):
+        raise ValueError(f"prompt_left must be >= 0, got {list(prompt_left)}")
+    if any(d and left > 0 for left, d in zip(prompt_left, done)):
+        raise ValueError("a done sequence cannot have prompt tokens left")
+    if token_budget is not None and token_budget < 1:
+        raise ValueError(f"token_budget must be None or >= 1, got {token_budget}")
+    plan = [0] * len(prompt_left)
+    decoding = [i for i, (left, d) in enumerate(zip(prompt_left, done)) if left == 0 and not d]
+    budget = token_budget
+    if budget is not None:
+        if len(decoding) > budget:
+            raise ValueError(f"{len(decoding)} decodes do not fit a token budget of {budget}")
+        budget -= len(decoding)
+    for i in decoding:
+        plan[i] = 1
+    for i, left in enumerate(prompt_left):
+        if left > 0:
+            plan[i] = left if budget is None else min(left, budget)
+            if budget is not None:
+                budget -= plan[i]
+    return plan
     # END SOLUTION

@@ -96,7 +96,7 @@ def test_cli_chat_answer_names_paris():
     assert "Paris" in result["text"]
 
 
-@pytest.mark.needs("8.1", "8.2")
+@pytest.mark.needs("8.1", "8.2", "8.3")
 def test_serve_json_runs_every_policy_on_the_same_workload(capsys):
     out = run_json(capsys, ["serve", "--requests", "6", "--rate", "100", "--prompt-tokens", "4", "12",
                             "--new-tokens", "2", "6", "--max-batch", "3", "--token-budget", "8", "--json"])
@@ -108,7 +108,7 @@ def test_serve_json_runs_every_policy_on_the_same_workload(capsys):
         assert row["throughput_tok_per_s"] > 0 and row["iterations"] >= 6
 
 
-@pytest.mark.needs("8.1", "8.2")
+@pytest.mark.needs("8.1", "8.2", "8.3")
 def test_serve_prints_a_table_with_one_row_per_policy(capsys):
     assert main(["serve", "--requests", "3", "--prompt-tokens", "4", "8", "--new-tokens", "2", "3",
                  "--policy", "chunked"]) == 0

@@ -1070,6 +1070,13 @@ def break_even_context(speedup, lo, hi):
     ("8.2", "whole blocks, not cut at the length", "[:, :length].unsqueeze(0)", ".unsqueeze(0)"),
     ("8.2", "the first layer always", "store[table[:n], layer]", "store[table[:n], 0]"),
     ("8.2", "one block too few", "n = -(-length // block_size)", "n = max(1, length // block_size)"),
+    ("8.3", "prompts before decodes", "    for i in decoding:\n        plan[i] = 1\n    for i, left in enumerate(prompt_left):\n        if left > 0:\n            plan[i] = left if budget is None else min(left, budget)\n            if budget is not None:\n                budget -= plan[i]\n",
+     "    for i, left in enumerate(prompt_left):\n        if left > 0:\n            plan[i] = left if budget is None else max(0, min(left, budget - len(decoding)))\n            if budget is not None:\n                budget -= plan[i]\n    for i in decoding:\n        plan[i] = 1\n"),
+    ("8.3", "a finished sequence decodes on", "if left == 0 and not d]", "if left == 0]"),
+    ("8.3", "the whole prompt whatever the budget", "            plan[i] = left if budget is None else min(left, budget)", "            plan[i] = left"),
+    ("8.3", "the budget's decodes not counted", "        budget -= len(decoding)\n", ""),
+    ("8.3", "one prompt per iteration", "        if left > 0:\n            plan[i] = left", "        if left > 0 and not any(plan[j] > 1 or (plan[j] == 1 and prompt_left[j] > 0) for j in range(i)):\n            plan[i] = left"),
+    ("8.3", "no check that the decodes fit", "        if len(decoding) > budget:\n", "        if False:\n"),
     ("8.2", "no check of the length", "    if length < 0 or length > len(table) * block_size:", "    if length < 0:"),
 ]
 
@@ -1430,6 +1437,28 @@ def prepare_blocks(pool, table, start, tokens):
         out.append(b)
     while len(out) * bs < start + tokens:
         out.append(pool.allocate())
+    return out
+'''),
+    ("8.3", "two passes over a copy of the budget", '''
+def plan_iteration(prompt_left, done, token_budget):
+    if len(prompt_left) != len(done) or min(prompt_left, default=0) < 0:
+        raise ValueError("one entry per sequence, none negative")
+    if any(d and n for n, d in zip(prompt_left, done)) or (token_budget is not None and token_budget < 1):
+        raise ValueError("bad state or budget")
+    decodes = sum(1 for n, d in zip(prompt_left, done) if n == 0 and not d)
+    room = float("inf") if token_budget is None else token_budget - decodes
+    if room < 0:
+        raise ValueError("the decodes do not fit")
+    out = []
+    for n, d in zip(prompt_left, done):
+        if d:
+            out.append(0)
+        elif n == 0:
+            out.append(1)
+        else:
+            take = int(min(n, room))
+            room -= take
+            out.append(take)
     return out
 '''),
     ("8.2", "the blocks concatenated, then cut", '''

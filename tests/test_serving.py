@@ -9,7 +9,7 @@ from toyllm.paged import BlockPool, PagedKVCache
 from toyllm.serving import POLICIES, Request, poisson_workload, ragged_forward, serve
 from toyllm.utils import random_prompt
 
-pytestmark = pytest.mark.needs("8.1", "8.2")     # every paged cache runs both steps of lesson 08
+pytestmark = pytest.mark.needs("8.1", "8.2", "8.3")     # the paged cache's steps and the scheduler's plan
 
 
 @pytest.fixture(scope="module")

@@ -552,7 +552,7 @@ def check_serve(args) -> tuple:
     longest = args.shared_prefix + args.prompt_tokens[1] + args.new_tokens[1]
     _check(longest <= cfg.max_context, f"--shared-prefix + --prompt-tokens MAX + --new-tokens MAX = {longest} "
                                        f"tokens, over {args.model}'s max_context ({cfg.max_context})")
-    answers.require("8.1", "8.2")                  # every serving run writes and reads a paged cache
+    answers.require("8.1", "8.2", "8.3")           # every serving run plans its iterations, writes and reads a paged cache
     model, _ = _check_request(f"--model {args.model}", load_model, args.model)
     return model, workload, policies
 

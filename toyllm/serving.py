@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .answers import answer, exercise
 from .paged import BlockPool, PagedKVCache
 
 POLICIES = ("static", "continuous", "chunked")
@@ -166,6 +167,13 @@ class _Sequence:
         return len(self.output_ids) >= self.request.max_new_tokens
 
 
+@answer("8.3", "The serving scheduler")
+def plan_iteration(prompt_left: list[int], done: list[bool], token_budget: int | None) -> list[int]:
+    """Tokens each running sequence feeds in one iteration: 0 when done, 1 per decode (decodes first),
+    then the prompts in order, whole or the chunk ``token_budget`` (None: no limit) still leaves."""
+    return exercise("8.3")(prompt_left, done, token_budget)
+
+
 def check_settings(policy: str, max_batch: int, token_budget: int, block_size: int) -> None:
     """A ValueError naming the first setting of ``serve`` that cannot work."""
     if policy not in POLICIES:
@@ -183,7 +191,8 @@ def _blocks_for(request: Request, block_size: int) -> int:
 
 
 def serve(model, requests: list[Request], policy: str = "chunked", *, max_batch: int = 8, token_budget: int = 64,
-          block_size: int = 16, share_prefixes: bool = False, progress: bool = False) -> ServeResult:
+          block_size: int = 16, share_prefixes: bool = False, progress: bool = False,
+          plan=None) -> ServeResult:
     """Run ``requests`` on ``model`` under ``policy`` (see the module docstring); greedy decoding.
 
     max_batch: sequences running at once. token_budget: tokens per iteration
@@ -191,8 +200,11 @@ def serve(model, requests: list[Request], policy: str = "chunked", *, max_batch:
     enough blocks for ``max_batch`` of the longest request, and a request is
     admitted only when the blocks it can reach are free. share_prefixes: a
     prompt that begins like an earlier one reuses its cached whole blocks.
+    plan: what plans each iteration's tokens (default ``plan_iteration``,
+    Exercise 8.3; the grader passes a submitted one).
     """
     check_settings(policy, max_batch, token_budget, block_size)
+    plan = plan_iteration if plan is None else plan
     if not requests:
         raise ValueError("no requests to serve")
     longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
@@ -232,18 +244,14 @@ def serve(model, requests: list[Request], policy: str = "chunked", *, max_batch:
         if not running:
             clock = max(clock, waiting[0].arrival_s)       # nothing to do until the next request arrives
             continue
-        segments, budget = [], token_budget
-        for seq in running:                                # decodes first: one token each
-            if not seq.prefilling and not seq.done:
+        counts = plan([len(seq.request.prompt_ids) - seq.fed for seq in running], [seq.done for seq in running],
+                      token_budget if policy == "chunked" else None)
+        segments = []
+        for seq, n in zip(running, counts):
+            if n and seq.prefilling:                       # a prompt: whole, or the chunk the budget leaves
+                segments.append((seq, list(seq.request.prompt_ids[seq.fed:seq.fed + n])))
+            elif n:                                        # a decode: the token it produced last
                 segments.append((seq, [seq.output_ids[-1]]))
-                budget -= 1
-        for seq in running:                                # then prompts: whole, or what the budget leaves
-            if seq.prefilling:
-                rest = len(seq.request.prompt_ids) - seq.fed
-                n = rest if policy != "chunked" else min(rest, budget)
-                if n > 0:
-                    segments.append((seq, list(seq.request.prompt_ids[seq.fed:seq.fed + n])))
-                    budget -= n
         t0 = time.perf_counter()
         logits = ragged_forward(model, [(seq.cache, ids) for seq, ids in segments])
         spent = time.perf_counter() - t0

@@ -208,3 +208,88 @@ def test_ex8_2_no_rows_and_bad_input(ex08):
            "length=9)", why="two blocks of 4 rows hold 8 tokens at most")
     raises(ValueError, ex08.gather_rows, store, [2], 0, -1, call="gather_rows(store, table=[2], layer=0, length=-1)",
            why="length < 0")
+
+
+# --------------------------------------------------------------------------- 8.3
+
+def planned(prompt_left, done, budget):
+    """The definition, one sequence at a time: done 0, decodes 1 (all of them first), then prompts in order."""
+    left_over = None if budget is None else budget - sum(1 for n, d in zip(prompt_left, done) if n == 0 and not d)
+    plan = []
+    for n, d in zip(prompt_left, done):
+        plan.append(0 if d else 1 if n == 0 else None)
+    for i, n in enumerate(prompt_left):
+        if plan[i] is None:
+            plan[i] = n if left_over is None else max(0, min(n, left_over))
+            left_over = None if left_over is None else left_over - plan[i]
+    return plan
+
+
+def serving_with(plan):
+    """The server plans every iteration with ``plan`` under each policy: the tokens of every request equal
+    greedy generation of that request alone, and no chunked iteration carries more than its budget."""
+    from toyllm import generate
+    from toyllm.serving import poisson_workload
+
+    model = build_model("tiny", seed=0)
+    workload = poisson_workload(6, 200.0, model.config.vocab_size, prompt_tokens=(3, 20), new_tokens=(1, 6), seed=3)
+    want = {r.id: generate(model, list(r.prompt_ids), r.max_new_tokens, cache="dynamic").output_ids for r in workload}
+    for policy, budget in (("static", 64), ("continuous", 64), ("chunked", 8)):
+        got = sandboxed("toyllm.grading.harness:serve_run", workload, policy, plan=plan, max_batch=3,
+                        token_budget=budget, block_size=BLOCK)
+        what = (f"serve(6 requests of 3-20 prompt and 1-6 new tokens, policy={policy!r}, max_batch=3, "
+                f"token_budget={budget}) with your plan_iteration")
+        for rid, tokens in want.items():
+            if got["outputs"][rid] != tokens:
+                raise AssertionError(f"{what}: request {rid} got tokens {got['outputs'][rid]}, alone it gives {tokens}")
+        if policy == "chunked" and max(got["iteration_tokens"]) > budget:
+            raise AssertionError(f"{what}: an iteration carried {max(got['iteration_tokens'])} tokens, over the "
+                                 f"budget of {budget}")
+
+
+def check_plan(ex08, prompt_left, done, budget, note=""):
+    call = f"plan_iteration(prompt_left={prompt_left}, done={done}, token_budget={budget}){note}"
+    got = ex08.plan_iteration(list(prompt_left), list(done), budget)
+    if not isinstance(got, list) or any(type(n) is not int for n in got):
+        raise AssertionError(f"{call}: expected a list of Python ints, got {got!r}")
+    equal(got, planned(prompt_left, done, budget), call)
+
+
+@pytest.mark.exercise("8.3")
+@pytest.mark.points(1)
+def test_ex8_3_decodes_first_then_prompts_in_order(ex08, drawn):
+    F, T = False, True
+    for prompt_left, done, budget in [([0, 0, 10, 5], [F, F, F, F], 8), ([0, 0, 10, 5], [F, F, F, F], None),
+                                      ([3, 0, 4], [F, F, F], 9), ([7, 0, 2, 0], [F, F, F, F], 4),
+                                      ([20], [F], 1), ([], [], 5)]:
+        check_plan(ex08, prompt_left, done, budget)
+    rng = drawn.rng("8.3")
+    for _ in range(6):
+        n = rng.randint(1, 8)
+        prompt_left = [rng.choice([0, 0, rng.randint(1, 40)]) for _ in range(n)]
+        done = [left == 0 and rng.random() < 0.3 for left in prompt_left]
+        decodes = sum(1 for left, d in zip(prompt_left, done) if left == 0 and not d)
+        budget = rng.choice([None, max(1, decodes) + rng.randint(0, 30)])
+        check_plan(ex08, prompt_left, done, budget, f" ({drawn})")
+
+
+@pytest.mark.exercise("8.3")
+@pytest.mark.points(1)
+def test_ex8_3_a_sequence_that_finished_mid_batch_feeds_nothing(ex08):
+    F, T = False, True
+    check_plan(ex08, [0, 0, 0, 6], [T, F, T, F], 3)
+    check_plan(ex08, [0, 0], [T, T], 2)
+    check_plan(ex08, [0, 12, 0], [T, F, F], None)
+    serving_with(ex08.plan_iteration)
+
+
+@pytest.mark.exercise("8.3")
+@pytest.mark.points(1)
+def test_ex8_3_bad_input(ex08):
+    F, T = False, True
+    for args, why in [(([0, 1], [F], 4), "one done flag per sequence"),
+                      (([-1, 0], [F, F], 4), "a negative number of prompt tokens"),
+                      (([3], [T], 4), "a done sequence with prompt left"),
+                      (([0, 5], [F, F], 0), "a token budget of 0"),
+                      (([0, 0, 0], [F, F, F], 2), "three decodes do not fit a budget of 2")]:
+        raises(ValueError, ex08.plan_iteration, *args, call=f"plan_iteration{args}", why=why)

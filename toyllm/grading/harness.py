@@ -189,6 +189,22 @@ def paged_run(ops, *, prepare=None, gather=None, block_size: int = 4, n_blocks: 
             "lengths": [c.length for c in caches]}
 
 
+def serve_run(workload, policy: str, *, plan=None, max_batch: int, token_budget: int, block_size: int) -> dict:
+    """``toyllm.serving.serve`` on the tiny model (seed 0) with a submitted ``plan`` (Exercise 8.3).
+
+    Returns {"outputs": {request id: its tokens}, "iteration_tokens": tokens of each iteration}.
+    """
+    from toyllm import build_model
+    from toyllm.serving import serve
+
+    model = build_model("tiny", seed=0)
+    with torch.inference_mode():
+        result = serve(model, list(workload), policy, max_batch=max_batch, token_budget=token_budget,
+                       block_size=block_size, plan=plan)
+    return {"outputs": {r.id: [int(t) for t in r.output_ids] for r in result.requests},
+            "iteration_tokens": [int(n) for n in result.iteration_tokens]}
+
+
 # --------------------------------------------------------------------------- lessons 06-07: searches
 
 class _Evaluations:
