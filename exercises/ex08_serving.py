@@ -14,18 +14,23 @@ into, and every attention over the cache reads the rows back with
 ``gather_rows``. Lesson 08's serving runs (continuous batching, chunked
 prefill, prefix sharing) all run through them, and each of their
 iterations is planned by ``plan_iteration``: which sequences feed how many
-tokens under the iteration's token budget.
+tokens under the iteration's token budget. When prefill and decode run on
+separate workers, each request's cache travels between them:
+``transfer_bytes`` says how much that is.
 
 | exercise | function       | points |
 |----------|----------------|--------|
 | 8.1      | prepare_blocks | 4      |
 | 8.2      | gather_rows    | 3      |
 | 8.3      | plan_iteration | 3      |
+| 8.4      | transfer_bytes | 2      |
 
 Reach this file with ``toyllm.grading.load_exercise("ex08")``; check your
 work with ``python -m toyllm grade --only ex08``.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -99,3 +104,21 @@ def plan_iteration(prompt_left: list[int], done: list[bool], token_budget: int |
         "Exercise 8.3: implement plan_iteration (idea: serve everyone who is decoding first, one "
         "token each, then hand what the budget has left to the waiting prompts in the order they "
         "came)")
+
+
+def transfer_bytes(cfg, tokens: int, bytes_per_value: float = 4, block_size: int | None = None) -> int:
+    """Exercise 8.4 (2 points): bytes a prefill worker ships to a decode worker for one request.
+
+    cfg: a ``toyllm.model.ModelConfig`` (``cfg.n_layers``, ``cfg.n_kv_heads``,
+    ``cfg.head_dim``). The decode worker needs the keys and values of every
+    layer for the request's ``tokens`` tokens: for each token and layer, one
+    key and one value vector of head_dim numbers per KV head, each number
+    ``bytes_per_value`` bytes (4 for float32, 2 for fp16/bf16, 0.5 for int4).
+    A paged cache ships whole blocks: with ``block_size`` given, the rows
+    sent are ``tokens`` rounded up to a multiple of block_size. Return a
+    Python int, the exact total rounded up to a whole byte. Raises
+    ValueError when tokens < 1, bytes_per_value <= 0 or block_size < 1.
+    """
+    raise NotImplementedError(
+        "Exercise 8.4: implement transfer_bytes (idea: count the values the decode worker needs (K "
+        "and V, every layer, every KV head, every row sent) and multiply by their size)")

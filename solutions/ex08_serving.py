@@ -14,18 +14,23 @@ into, and every attention over the cache reads the rows back with
 ``gather_rows``. Lesson 08's serving runs (continuous batching, chunked
 prefill, prefix sharing) all run through them, and each of their
 iterations is planned by ``plan_iteration``: which sequences feed how many
-tokens under the iteration's token budget.
+tokens under the iteration's token budget. When prefill and decode run on
+separate workers, each request's cache travels between them:
+``transfer_bytes`` says how much that is.
 
 | exercise | function       | points |
 |----------|----------------|--------|
 | 8.1      | prepare_blocks | 4      |
 | 8.2      | gather_rows    | 3      |
 | 8.3      | plan_iteration | 3      |
+| 8.4      | transfer_bytes | 2      |
 
 Reach this file with ``toyllm.grading.load_exercise("ex08")``; check your
 work with ``python -m toyllm grade --only ex08``.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -146,4 +151,28 @@ def plan_iteration(prompt_left: list[int], done: list[bool], token_budget: int |
             if budget is not None:
                 budget -= plan[i]
     return plan
+    # END SOLUTION
+
+
+def transfer_bytes(cfg, tokens: int, bytes_per_value: float = 4, block_size: int | None = None) -> int:
+    """Exercise 8.4 (2 points): bytes a prefill worker ships to a decode worker for one request.
+
+    cfg: a ``toyllm.model.ModelConfig`` (``cfg.n_layers``, ``cfg.n_kv_heads``,
+    ``cfg.head_dim``). The decode worker needs the keys and values of every
+    layer for the request's ``tokens`` tokens: for each token and layer, one
+    key and one value vector of head_dim numbers per KV head, each number
+    ``bytes_per_value`` bytes (4 for float32, 2 for fp16/bf16, 0.5 for int4).
+    A paged cache ships whole blocks: with ``block_size`` given, the rows
+    sent are ``tokens`` rounded up to a multiple of block_size. Return a
+    Python int, the exact total rounded up to a whole byte. Raises
+    ValueError when tokens < 1, bytes_per_value <= 0 or block_size < 1.
+    """
+    # BEGIN SOLUTION 8.4 hint: rows = tokens, or ceil(tokens / block_size) * block_size; bytes = 2 * n_layers * n_kv_heads * head_dim * rows * bytes_per_value; math.ceil of it as an int (exact for fractions like 0.5)
+    # idea: count the values the decode worker needs (K and V, every layer, every KV head, every row sent) and multiply by their size
+    if tokens < 1 or bytes_per_value <= 0 or (block_size is not None and block_size < 1):
+        raise ValueError(f"need tokens >= 1, bytes_per_value > 0 and block_size None or >= 1, got tokens={tokens}, "
+                         f"bytes_per_value={bytes_per_value}, block_size={block_size}")
+    rows = tokens if block_size is None else -(-tokens // block_size) * block_size
+    values = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * rows
+    return math.ceil(values * bytes_per_value)
     # END SOLUTION

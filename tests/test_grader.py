@@ -1077,6 +1077,12 @@ def break_even_context(speedup, lo, hi):
     ("8.3", "the budget's decodes not counted", "        budget -= len(decoding)\n", ""),
     ("8.3", "one prompt per iteration", "        if left > 0:\n            plan[i] = left", "        if left > 0 and not any(plan[j] > 1 or (plan[j] == 1 and prompt_left[j] > 0) for j in range(i)):\n            plan[i] = left"),
     ("8.3", "no check that the decodes fit", "        if len(decoding) > budget:\n", "        if False:\n"),
+    ("8.4", "K only, not V", "values = 2 * cfg.n_layers", "values = cfg.n_layers"),
+    ("8.4", "query heads, not KV heads", "cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * rows", "cfg.n_layers * cfg.n_heads * cfg.head_dim * rows"),
+    ("8.4", "rows not rounded to whole blocks", "rows = tokens if block_size is None else -(-tokens // block_size) * block_size", "rows = tokens"),
+    ("8.4", "truncated, not rounded up", "return math.ceil(values * bytes_per_value)", "return int(values * bytes_per_value)"),
+    ("8.4", "a float", "return math.ceil(values * bytes_per_value)", "return float(math.ceil(values * bytes_per_value))"),
+    ("8.4", "bits, not bytes", "return math.ceil(values * bytes_per_value)", "return math.ceil(8 * values * bytes_per_value)"),
     ("8.2", "no check of the length", "    if length < 0 or length > len(table) * block_size:", "    if length < 0:"),
 ]
 
@@ -1460,6 +1466,15 @@ def plan_iteration(prompt_left, done, token_budget):
             room -= take
             out.append(take)
     return out
+'''),
+    ("8.4", "exact fractions", '''
+def transfer_bytes(cfg, tokens, bytes_per_value=4, block_size=None):
+    from fractions import Fraction
+    if tokens < 1 or bytes_per_value <= 0 or (block_size is not None and block_size < 1):
+        raise ValueError("tokens >= 1, bytes_per_value > 0, block_size >= 1, please")
+    sent = tokens if block_size is None else math.ceil(tokens / block_size) * block_size
+    per_row = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
+    return math.ceil(Fraction(per_row * sent) * Fraction(bytes_per_value))
 '''),
     ("8.2", "the blocks concatenated, then cut", '''
 def gather_rows(store, table, layer, length):

@@ -293,3 +293,61 @@ def test_ex8_3_bad_input(ex08):
                       (([0, 5], [F, F], 0), "a token budget of 0"),
                       (([0, 0, 0], [F, F, F], 2), "three decodes do not fit a budget of 2")]:
         raises(ValueError, ex08.plan_iteration, *args, call=f"plan_iteration{args}", why=why)
+
+
+# --------------------------------------------------------------------------- 8.4
+
+def shipped(cfg, tokens, bytes_per_value, block_size=None):
+    """The definition in exact fractions: K and V, every layer and KV head, head_dim values per row sent."""
+    from fractions import Fraction
+
+    rows = tokens if block_size is None else math.ceil(tokens / block_size) * block_size
+    return math.ceil(2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * rows * Fraction(bytes_per_value))
+
+
+def check_transfer(ex08, cfg, name, tokens, bytes_per_value, block_size=None, note=""):
+    call = (f"transfer_bytes({name} (layers {cfg.n_layers}, KV heads {cfg.n_kv_heads}, head_dim {cfg.head_dim}), "
+            f"tokens={tokens}, bytes_per_value={bytes_per_value}, block_size={block_size}){note}")
+    equal(ex08.transfer_bytes(cfg, tokens, bytes_per_value, block_size), shipped(cfg, tokens, bytes_per_value,
+                                                                                block_size), call)
+
+
+@pytest.mark.exercise("8.4")
+@pytest.mark.points(1)
+def test_ex8_4_rows_of_every_layer_and_whole_blocks(ex08, drawn):
+    from toyllm.model import get_config
+
+    smol, tiny = get_config("smollm2-135m"), get_config("tiny")
+    equal(ex08.transfer_bytes(smol, 1000, 2), 23_040_000,
+          "transfer_bytes(SmolLM2-135M, tokens=1000, bytes_per_value=2) (K and V x 30 layers x 3 KV heads x 64 "
+          "values x 2 bytes = 23,040 bytes per token)")
+    for cfg, name, tokens, bpv, bs in [(smol, "SmolLM2-135M", 4096, 4, None), (smol, "SmolLM2-135M", 100, 2, 16),
+                                       (tiny, "tiny", 17, 4, 16), (tiny, "tiny", 32, 4, 16), (tiny, "tiny", 1, 2, 8)]:
+        check_transfer(ex08, cfg, name, tokens, bpv, bs)
+    rng = drawn.rng("8.4")
+    import dataclasses
+
+    for _ in range(3):
+        kv = rng.choice([1, 2, 4, 8])
+        cfg = dataclasses.replace(tiny, n_layers=rng.randint(1, 80), n_heads=kv * rng.randint(1, 4), n_kv_heads=kv,
+                                  head_dim=2 * rng.randint(8, 80))
+        check_transfer(ex08, cfg, "a drawn config", rng.randint(1, 50_000), rng.choice([4, 2, 1]),
+                       rng.choice([None, 16, 32, 7]), f" ({drawn})")
+
+
+@pytest.mark.exercise("8.4")
+@pytest.mark.points(1)
+def test_ex8_4_half_bytes_round_up_and_bad_input(ex08):
+    import dataclasses
+
+    from toyllm.model import get_config
+
+    odd = dataclasses.replace(get_config("tiny"), n_layers=1, n_heads=1, n_kv_heads=1, head_dim=2)
+    check_transfer(ex08, odd, "one layer, one KV head of 2", 1, 0.5)        # 4 values of half a byte: 2 bytes
+    check_transfer(ex08, odd, "one layer, one KV head of 2", 3, 0.25)       # 12 quarter bytes: 3 bytes
+    check_transfer(ex08, odd, "one layer, one KV head of 2", 1, 0.1)        # 0.4 bytes: 1 byte
+    tiny = get_config("tiny")
+    for args, why in [((tiny, 0, 2), "tokens < 1"), ((tiny, 10, 0), "bytes_per_value <= 0"),
+                      ((tiny, 10, 2, 0), "block_size < 1")]:
+        raises(ValueError, ex08.transfer_bytes, *args, call=f"transfer_bytes(tiny, {', '.join(map(str, args[1:]))})",
+               why=why)
