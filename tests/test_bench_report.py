@@ -66,3 +66,31 @@ def test_decode_step_section_offers_compile_only_when_it_is_faster():
     assert "toyllm does not offer it" in slower
     faster = render_section("decode_step", _decode_step(1.3))
     assert "1.30x faster than eager" in faster and "faster for fp32 here" in faster and "does not offer" not in faster
+
+
+def _serving(continuous_ttft, chunked_ttft, identical=True):
+    from toyllm.measure import compare, spread
+
+    def row(way, ttft):
+        out = {"way": way, "throughput": [100.0, 110.0, 120.0], "output_tokens": 500,
+               **{m: spread(ttft) for m in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "clock")}}
+        if way != "continuous":
+            out["verdicts"] = {m: compare(ttft, continuous_ttft) for m in ("ttft_p99", "tpot_p99", "clock")}
+        return out
+
+    return {"model": "tiny", "requests": 12, "rate": 40.0, "prompt_tokens": (4, 96), "new_tokens": (2, 24),
+            "token_budget": 32, "bandwidth_gb_s": 10.0, "rounds": 3, "identical": identical, "threads": 2,
+            "max_batch": 8, "block_size": 16,
+            "rows": [row("continuous", continuous_ttft), row("chunked", chunked_ttft)]}
+
+
+def test_serving_verdicts_follow_the_rounds():
+    apart = render_section("serving", _serving([1.0, 1.1, 1.2], [0.5, 0.55, 0.6]))
+    assert "| chunked | 550.0 ms [500.0-600.0 ms] |" in apart
+    assert "- TTFT p99: chunked 550.0 ms [500.0-600.0 ms] vs continuous 1.100 s [1.000-1.200 s]: chunked is 2.00x faster" \
+        in apart
+    assert "| chunked | 550.0 ms [500.0-600.0 ms] | 550.0 ms" in apart and "110 [100-120]" in apart
+    overlapping = render_section("serving", _serving([1.0, 1.1, 1.2], [0.9, 1.05, 1.3]))
+    assert "a tie" in overlapping and "faster" not in overlapping.split("Against continuous")[1].split("The disagg")[0]
+    assert "under every way: yes" in apart
+    assert "under every way: NO" in render_section("serving", _serving([1.0], [1.0], identical=False))

@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .analysis import kv_bytes_per_token
+from .answers import answer, exercise
 from .cache import DynamicKVCache
 from .generation import generate
 from .launch import RankContext, run_parallel
@@ -79,16 +79,15 @@ def _check_tokens(tokens) -> int:
     return tokens
 
 
-def transfer_bytes(cfg: ModelConfig, tokens: int, bytes_per_value: float = 4) -> int | float:
-    """Bytes of one request's KV cache on the wire: K and V of ``tokens`` tokens in every layer.
+@answer("8.4", "The KV transfer's size")
+def transfer_bytes(cfg: ModelConfig, tokens: int, bytes_per_value: float = 4, block_size: int | None = None) -> int:
+    """Bytes of one request's KV cache on the wire: K and V of ``tokens`` tokens in every layer, rounded up
+    to a whole byte; whole blocks of ``block_size`` tokens when a paged cache ships them.
 
     bytes_per_value: 4 for toyllm's float32, 2 for fp16/bf16. Nothing else
     travels with it but the first token's id (8 bytes, not counted).
     """
-    _check_tokens(tokens)
-    if not (isinstance(bytes_per_value, (int, float)) and bytes_per_value > 0):
-        raise ValueError(f"bytes_per_value must be > 0, got {bytes_per_value!r}")
-    return tokens * kv_bytes_per_token(cfg, bytes_per_value)
+    return exercise("8.4")(cfg, tokens, bytes_per_value, block_size)
 
 
 # --------------------------------------------------------------------------- real shipping over torch.distributed
@@ -381,6 +380,7 @@ def shipping_pays(cfg: ModelConfig, tokens: int, cost_model: CostModel) -> ShipO
     (e.g. ``a100_like(cfg, link_bandwidth_bytes_per_s=10e9)``), its
     ``bytes_per_value`` sizes the cache.
     """
+    _check_tokens(tokens)
     if not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
     n_bytes = transfer_bytes(cfg, tokens, cost_model.bytes_per_value)
