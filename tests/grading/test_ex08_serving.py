@@ -258,7 +258,7 @@ def check_plan(ex08, prompt_left, done, budget, note=""):
 @pytest.mark.exercise("8.3")
 @pytest.mark.points(1)
 def test_ex8_3_decodes_first_then_prompts_in_order(ex08, drawn):
-    F, T = False, True
+    F = False
     for prompt_left, done, budget in [([0, 0, 10, 5], [F, F, F, F], 8), ([0, 0, 10, 5], [F, F, F, F], None),
                                       ([3, 0, 4], [F, F, F], 9), ([7, 0, 2, 0], [F, F, F, F], 4),
                                       ([20], [F], 1), ([], [], 5)]:
