@@ -94,3 +94,32 @@ def test_serving_verdicts_follow_the_rounds():
     assert "a tie" in overlapping and "faster" not in overlapping.split("Against continuous")[1].split("The disagg")[0]
     assert "under every way: yes" in apart
     assert "under every way: NO" in render_section("serving", _serving([1.0], [1.0], identical=False))
+
+
+@pytest.mark.slow
+@pytest.mark.needs("8.1", "8.2", "8.3", "8.4")
+def test_the_serving_benchmark_runs_each_way_in_turns(monkeypatch):
+    """Every round runs each of the four ways once, in the same order, and each row holds its own runs."""
+    from toyllm import disagg, serving
+    from toyllm.bench import bench_serving
+
+    calls = []
+    real_serve, real_disagg = serving.serve, disagg.serve_disaggregated
+
+    def serve(model, workload, policy, **kw):
+        calls.append(policy)
+        return real_serve(model, workload, policy, **kw)
+
+    def serve_disaggregated(model, workload, link_model, **kw):
+        calls.append("disaggregated")
+        return real_disagg(model, workload, link_model, **kw)
+
+    monkeypatch.setattr(serving, "serve", serve)
+    monkeypatch.setattr(disagg, "serve_disaggregated", serve_disaggregated)
+    data = bench_serving(quick=True)
+    ways = [*serving.POLICIES, "disaggregated"]
+    assert calls == ways * (1 + data["rounds"])                # a warm-up round, then the timed ones
+    assert [r["way"] for r in data["rows"]] == ways and data["identical"]
+    assert all(len(r["ttft_p99"].runs) == data["rounds"] for r in data["rows"])
+    text = render_section("serving", data)
+    assert text.count("- TTFT p99:") == 3 and "| disaggregated |" in text

@@ -1060,6 +1060,8 @@ def break_even_context(speedup, lo, hi):
     # lesson 08
     ("8.1", "writes into a shared block", "        if pool.refs[shared] > 1:", "        if False:"),
     ("8.1", "keeps its use of the block it copied", "            pool.release(shared)\n", ""),
+    ("8.1", "frees the shared block while the other sequence still uses it", "            pool.release(shared)\n",
+     "            while pool.refs[shared] > 0:\n                pool.release(shared)\n"),
     ("8.1", "a fresh block without the shared rows", "            pool.k[own] = pool.k[shared]\n            pool.v[own] = pool.v[shared]\n", ""),
     ("8.1", "one block too many at a block's end", "first, last = start // bs, (start + tokens - 1) // bs",
      "first, last = start // bs, (start + tokens) // bs"),

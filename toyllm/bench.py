@@ -467,7 +467,9 @@ def bench_serving(quick: bool = False) -> dict:
     results: dict = {w: [] for w in ways}
     rounds = 2 if quick else 3
     with torch.inference_mode():
-        interleaved_runs({w: (lambda w=w: results[w].append(fn())) for w, fn in ways.items()}, rounds, warmup=1)
+        interleaved_runs({w: (lambda w=w, fn=fn: results[w].append(fn())) for w, fn in ways.items()}, rounds,
+                         warmup=1)
+        results = {w: rs[1:] for w, rs in results.items()}          # the warm-up round's results are not kept
         alone = {r.id: generate(model, list(r.prompt_ids), r.max_new_tokens, cache="dynamic").output_ids
                  for r in workload}
     identical = all(r.output_ids == alone[r.id] for runs in results.values() for run in runs for r in run.requests)
