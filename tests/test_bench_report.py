@@ -4,27 +4,59 @@ import pytest
 from toyllm.bench import SECTIONS, render_section
 
 
-def _prefill(tsp, kvr_best, single_2t, sdpa_single, sdpa_kvr):
-    row = {"context": 8192, "single_1t": 8.0, "single_2t": single_2t, "tsp": tsp, "kvr_even": 4.0,
-           "kvr_best": kvr_best, "kvr_best_chunks": [5079, 3113], "lower_bound": 3.0}
-    sdpa = {"context": 8192, "single_2t": sdpa_single, "tsp": 2.2, "kvr": sdpa_kvr, "chunks": [5079, 3113]}
-    return {"repeats": 5, "warm": 2, "sweep": ["0.50"], "sweep_repeats": 3, "rows": [row], "sdpa": [sdpa]}
+def _prefill(tsp, kvr_best, single_2t, sdpa_single, sdpa_kvr, single_1t=8.0):
+    """Prefill data as bench_prefill returns it, each configuration's runs spread +-1% around the given median."""
+    from toyllm.bench import _prefill_row
+    from toyllm.measure import ONE_THREAD, TWO_THREADS, MachineState, PrefillComparison, spread
+    from toyllm.model import get_config
+
+    def runs(t):
+        return spread([t * 0.99, t, t * 1.01])
+
+    state = MachineState(2, 0.1, runs(1.0), runs(0.55))
+    medians = {ONE_THREAD: single_1t, TWO_THREADS: single_2t, "TSP": tsp, "KVR-E": 4.0, "KVR-best": kvr_best}
+    cmp = PrefillComparison(8192, state, {k: runs(t) for k, t in medians.items()}, TWO_THREADS, "2 threads", {})
+    row = _prefill_row(cmp, get_config("bench"), [5079, 3113], 3 / 8)
+    sdpa = {ONE_THREAD: 2 * sdpa_single, TWO_THREADS: sdpa_single, "TSP": 2.2, "KVR": sdpa_kvr}
+    scmp = PrefillComparison(8192, state, {k: runs(t) for k, t in sdpa.items()}, TWO_THREADS, "2 threads", {})
+    sdpa_row = {"context": 8192, "chunks": [5079, 3113], "runs": scmp.runs, "baseline": TWO_THREADS,
+                "vs_tsp": scmp.verdict("KVR", "TSP"), "vs_base": scmp.verdict("KVR")}
+    return {"rounds": 3, "warm": 2, "sweep": ["0.50"], "sweep_repeats": 3, "machine": state.line,
+            "one_thread": ONE_THREAD, "two_threads": TWO_THREADS, "rows": [row], "sdpa": [sdpa_row]}
 
 
 def test_prefill_verdicts_are_computed_from_the_numbers():
     good = render_section("prefill", _prefill(tsp=4.2, kvr_best=3.2, single_2t=4.0, sdpa_single=0.9, sdpa_kvr=1.6))
-    assert "1.31x faster than TSP, which meets the 1.25x target" in good
-    assert "1.78x slower than one process with two threads" in good and "One process wins here" in good
+    assert "is met: KVR-best 3.200 s [3.168-3.232 s] vs TSP 4.200 s [4.158-4.242 s]: KVR-best is 1.31x faster" in good
+    assert "| 3.200 [3.168-3.232] [5079, 3113] |" in good and "| 1.31x faster |" in good
+    assert "KVR 1.600 s [1.584-1.616 s] vs 1 process, 2 threads" in good and "1.78x slower" in good
+    assert "One process wins here" in good and "below TTFT*(2)" not in good
     bad = render_section("prefill", _prefill(tsp=4.2, kvr_best=4.0, single_2t=3.0, sdpa_single=1.9, sdpa_kvr=1.6))
-    assert "1.05x faster than TSP, which does not meet the 1.25x target" in bad
+    assert "target at 8192 tokens (KVR-best against TSP) is not met" in bad and "| 1.05x faster |" in bad
     assert "KVR keeps its lead" in bad and "One process wins" not in bad
+    close = render_section("prefill", _prefill(tsp=4.2, kvr_best=4.15, single_2t=3.0, sdpa_single=1.6, sdpa_kvr=1.6))
+    assert "| tie (1.01x) |" in close and "a tie (1.01x, inside the spread of the runs)" in close
+    assert "Neither wins beyond the spread of the rounds" in close
+
+
+def test_a_run_below_the_lower_bound_it_prints_is_flagged_and_explained():
+    text = render_section("prefill", _prefill(tsp=4.2, kvr_best=2.5, single_2t=4.0, sdpa_single=0.9, sdpa_kvr=1.6,
+                                              single_1t=8.0))            # TTFT*(2) = 3/8 * 8.0 = 3.0 s
+    assert "| 3.000 [2.970-3.030] (beaten: see below) |" in text
+    assert "KVR-best ran below TTFT*(2) (3.000 [2.970-3.030] s)" in text
+    assert "(2147 MB)" in text and "here the bound is not a bound" in text       # 8 x 8192^2 x 4 bytes
 
 
 def test_first_token_section_renders():
-    data = {"threads": 2, "repeats": 5, "vocab": 49152, "rows": [
-        {"name": "random", "tokens": 1024, "all_s": 3.0, "last_s": 2.0, "head_gflop": 58.0, "total_gflop": 290.0}]}
+    from toyllm.measure import compare
+
+    verdict = compare([1.9, 2.0, 2.1], [2.9, 3.0, 3.1])
+    data = {"threads": 2, "repeats": 3, "vocab": 49152, "rows": [
+        {"name": "random", "tokens": 1024, "all_s": 3.0, "last_s": 2.0, "verdict": verdict, "head_gflop": 58.0,
+         "total_gflop": 290.0}]}
     text = render_section("first_token", data)
-    assert "| random | 1024 | 3.000 | 2.000 | 1.50x |" in text and "1.50x faster than before" in text
+    assert "| random | 1024 | 3.000 [2.900-3.100] | 2.000 [1.900-2.100] | 1.50x faster |" in text
+    assert "last only 2.000 s [1.900-2.100 s] vs all positions 3.000 s [2.900-3.100 s]: last only is 1.50x faster" in text
 
 
 def test_every_section_has_a_template():

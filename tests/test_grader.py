@@ -1525,6 +1525,7 @@ def _run_exercise(impl: Path, exercise: str) -> dict[str, str]:
     name = f"ex{lesson:02d}"
     module = LocalModule(load_exercise(name, impl=impl), load_exercise(name, impl="solutions"))
     seed = fixtures.grading_seed_value()
+    _SEEDS_USED.append(seed)
     provided = {name: lambda: module, "tiny_model": lambda: build_model("tiny", seed=0),
                 "engine_run": fixtures.make_engine_run, "drawn": lambda: fixtures.Drawn(seed), "grading_seed": lambda: seed}
     outcomes = {}
@@ -1578,9 +1579,13 @@ def test_every_correct_alternative_keeps_full_marks(tmp_path, exercise, way, sou
     assert all(why == "passed" for why in outcomes.values()), (outcomes, _seed_note())
 
 
+_SEEDS_USED: list[int] = []                        # the grading seed of each _run_exercise, the last one last
+
+
 def _seed_note() -> str:
-    seed = os.environ.get("TOYLLM_GRADE_SEED")
-    return f"TOYLLM_GRADE_SEED={seed}" if seed else "drawn cases from a fresh seed: the failing test's message names it"
+    """How to draw the same cases again: the seed the last graded run used."""
+    seed = _SEEDS_USED[-1] if _SEEDS_USED else os.environ.get("TOYLLM_GRADE_SEED")
+    return f"drawn with TOYLLM_GRADE_SEED={seed}"
 
 
 def test_a_mistake_in_one_exercise_costs_no_other_exercise(tmp_path):

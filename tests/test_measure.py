@@ -55,3 +55,24 @@ def test_the_machine_line_says_oversubscribed_when_two_threads_lose():
     assert busy.oversubscribed and busy.busy and "oversubscribed" in busy.line
     quiet = MachineState(cores=2, load=0.1, one_thread=spread([1.0, 1.01, 1.02]), two_threads=spread([0.6, 0.61, 0.62]))
     assert not quiet.busy and "oversubscribed" not in quiet.line
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("single_in_workers", [False, True])
+def test_compare_prefills_times_every_configuration_in_turns_with_equal_answers(single_in_workers):
+    """Every configuration gets its rounds, the one-process ones on 1 and 2 threads (in this process or in
+    workers of their own), and every run computes the same first token as one process."""
+    from toyllm.measure import compare_prefills
+    from toyllm.parallel import ModelSpec
+    from toyllm.utils import random_prompt
+
+    machine = MachineState(2, 0.0, spread([0.02, 0.02]), spread([0.01, 0.01]))     # not measured: not a timing test
+    measured = compare_prefills(ModelSpec("tiny"), random_prompt(40, 256, 5), {"KVR, [30, 10]": dict(
+        method="kvr", partition=[30, 10])}, rounds=2, warmup=1, machine=machine, timeout_s=120,
+        single_in_workers=single_in_workers)
+    assert list(measured.runs) == [ONE_THREAD, TWO_THREADS, "KVR, [30, 10]"]
+    assert all(len(s.runs) == 2 for s in measured.runs.values())
+    assert [measured.results[n].threads_per_rank for n in (ONE_THREAD, TWO_THREADS)] == [1, 2]
+    assert len({r.first_token for r in measured.results.values()}) == 1
+    assert measured.baseline in (ONE_THREAD, TWO_THREADS) and measured.parallel == ["KVR, [30, 10]"]

@@ -11,7 +11,8 @@ Static checks (fast) on every notebook in ``notebooks/``:
 Execution (slow): each notebook runs top to bottom in a fresh kernel of this
 interpreter, in ``notebooks/``, with TOYLLM_FAST=1 (smaller experiments, no
 skipped cells) and TOYLLM_IMPL=solutions (the model answers, so the exercise
-cells pass), and no cell may raise. When the same pytest run also runs the
+cells pass), no cell may raise, and every verdict a cell prints follows
+from the runs it prints (``tests/verdict_text.py``). When the same pytest run also runs the
 browser test (``tests/browser``, Chromium installed), that test already
 runs every notebook top to bottom, in JupyterLab, with the same settings and
 the same checks and more; running each one a second time here would only
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from verdict_text import verdict_problems
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
@@ -161,6 +163,8 @@ def test_notebook_runs_top_to_bottom(path, kernel_spec_manager, monkeypatch, req
     assert all(c.execution_count is not None for c in code_cells), "some code cells were not executed"
     errors = [o for c in code_cells for o in c.outputs if o.output_type == "error"]
     assert not errors, f"{path.name}: {[(e.ename, e.evalue) for e in errors]}"
+    printed = "\n".join(o.get("text", "") for c in code_cells for o in c.outputs if o.output_type == "stream")
+    assert not verdict_problems(printed), f"{path.name}: {verdict_problems(printed)}"
 
 
 @pytest.mark.slow

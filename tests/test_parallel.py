@@ -146,6 +146,19 @@ def test_ttft_is_when_the_last_rank_has_the_first_token(pools):
 
 
 @pytest.mark.timeout(300)
+def test_a_one_process_prefill_runs_in_a_one_worker_pool_on_its_threads(pools, references):
+    """method="single" with a one-process pool runs there (a benchmark keeps its big scores out of its own
+    heap), on the pool's threads, and equals the prefill in this process."""
+    with WorkerPool(1, threads_per_rank=2, timeout_s=120) as solo:
+        result = parallel_prefill(SPECS["gqa"], _ids(), "single", 1, pool=solo, repeat=2, return_cache=True)
+    assert result.method == "single" and result.world_size == 1 and result.threads_per_rank == 2
+    assert len(result.ttft_runs) == 2
+    _assert_matches(result, references["gqa"])
+    with pytest.raises(ValueError, match="method 'single' runs in one process; the pool has 2"):
+        parallel_prefill(SPECS["gqa"], _ids(), "single", 1, pool=pools(2))
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("method", ["tsp", "kvr"])
 def test_simulated_link_delays_but_does_not_change_results(pools, references, method):
     link = LinkModel(bandwidth_gbps=1e-4, latency_s=1e-3, noisy_link=(0, 1), noise=0.5)   # ~50 ms a message

@@ -158,3 +158,32 @@ def test_lesson_05_verdicts_follow_the_runs_beside_a_cpu_hog(cpu_hog):
             assert ours[0] >= base[1] and "slower" in sentence, sentence
         else:
             assert "a tie" in sentence and "faster" not in sentence and "slower" not in sentence, sentence
+
+
+# --------------------------------------------------------------------------- any printed sentence, any lesson
+
+@pytest.mark.parametrize("ours, base", [
+    ([0.40, 0.41, 0.43], [0.49, 0.50, 0.52]),            # faster
+    ([0.60, 0.61, 0.63], [0.49, 0.50, 0.52]),            # slower
+    ([0.48, 0.50, 0.55], [0.49, 0.50, 0.52]),            # tie: the ranges overlap
+    ([0.500, 0.501, 0.502], [0.503, 0.504, 0.505]),      # tie: apart, but medians within 1%
+    ([0.095, 0.1, 1.2], [0.2, 0.21, 0.4]),               # mixed units
+    ([0.4], [0.49, 0.50, 0.52]),                         # undecided: one run
+])
+def test_every_sentence_measure_prints_reads_back_as_its_verdict(ours, base):
+    from verdict_text import count_verdicts, verdict_problems
+
+    text = "some output\n" + compare(ours, base).sentence("KVR-P", "KVR-S") + " (the paper: within 1.3%)\nmore"
+    assert count_verdicts(text) == 1 and verdict_problems(text) == [], text
+
+
+def test_a_sentence_whose_words_its_numbers_do_not_support_is_caught():
+    from verdict_text import verdict_problems
+
+    tie = compare([0.48, 0.50, 0.55], [0.49, 0.50, 0.52]).sentence("KVR", "TSP")
+    assert verdict_problems(tie.replace("a tie (1.00x, inside the spread of the runs)", "KVR is 1.00x faster"))
+    faster = compare([0.40, 0.41, 0.43], [0.49, 0.50, 0.52]).sentence("KVR", "TSP")
+    assert verdict_problems(faster.split(": ")[0] + ": a tie (1.22x, inside the spread of the runs)")
+    assert verdict_problems(faster.replace("faster", "slower"))
+    one = compare([0.4], [0.5]).sentence("KVR", "TSP")
+    assert verdict_problems(one.split(": ")[0] + ": KVR is 1.25x faster")

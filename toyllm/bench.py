@@ -98,6 +98,7 @@ def bench_generation(quick: bool = False) -> dict:
 def bench_first_token(quick: bool = False) -> dict:
     """SmolLM2 prefill with the whole T x vocab logits matrix vs the last position only (seconds)."""
     from .analysis import prefill_flops
+    from .measure import compare
     from .weights import load_model
 
     model, tok = load_model("smollm2-135m")
@@ -118,7 +119,8 @@ def bench_first_token(quick: bool = False) -> dict:
         cfg = model.config
         head = 2 * len(ids) * cfg.vocab_size * cfg.d_model
         rows.append({"name": name, "tokens": len(ids), "all_s": statistics.median(times[False]),
-                     "last_s": statistics.median(times[True]), "head_gflop": head / 1e9,
+                     "last_s": statistics.median(times[True]), "verdict": compare(times[True], times[False]),
+                     "head_gflop": head / 1e9,
                      "total_gflop": prefill_flops(cfg, len(ids)) / 1e9})
         _progress(rows[-1])
     return {"threads": torch.get_num_threads(), "repeats": repeats, "vocab": model.config.vocab_size, "rows": rows}
@@ -137,64 +139,78 @@ def _fresh_pool(spec, ids, settle: int = 3):
 def _single_s(spec, ids, threads: int, repeats: int, warmup: int = 1) -> float:
     """One-process prefill TTFT, run in a worker process of its own.
 
-    A one-rank KVR prefill is exactly a single-process prefill. Running it in
-    a short-lived process keeps its multi-GB attention scores out of this
-    process's heap, which the resident-heap settings would never shrink.
+    Running it in a short-lived process keeps its multi-GB attention scores
+    out of this process's heap, which the resident-heap settings would never shrink.
     """
 
     with WorkerPool(1, threads_per_rank=threads, timeout_s=3600) as pool:
-        return parallel_prefill(spec, ids, "kvr", 1, repeat=repeats, warmup=warmup, pool=pool).ttft_s
+        return parallel_prefill(spec, ids, "single", 1, repeat=repeats, warmup=warmup, pool=pool).ttft_s
 
 
 def bench_prefill(quick: bool = False) -> dict:
-    """TTFT of one process vs TSP vs KVR on 2 processes, bench preset, dense attention; then with sdpa."""
+    """TTFT of one process (1 and 2 threads) vs TSP, KVR-E and KVR-best on 2 processes, bench preset, dense
+    attention, all five taking turns round by round (``measure.compare_prefills``); then the same with sdpa.
+
+    Each row keeps every configuration's runs (seconds) and the verdicts computed from them.
+    """
+    from .measure import ONE_THREAD, TWO_THREADS, check_machine, compare_prefills
     from .partition import partition_from_ratios, ttft_lower_bound
 
     spec = ModelSpec("bench")
     contexts = (1024, 2048) if quick else (1024, 2048, 4096, 8192)
-    repeats = 1 if quick else 5
+    rounds = 2 if quick else 5
     warm = 1 if quick else 2      # this VM reclaims idle pages: a second warm-up steadies the first timed run
     sweep = (0.5, 0.55, 0.6) if quick else (0.5, 0.53, 0.56, 0.59, 0.62, 0.65)
+    sweep_repeats = 1 if quick else 3
+    machine = check_machine()
+    print(f"  {machine.line}", flush=True)
     rows = []
     for C in contexts:
         ids = random_prompt(C, spec.config.vocab_size)
-        one = _single_s(spec, ids, 1, repeats, warm)
-        two = _single_s(spec, ids, 2, repeats, warm)
         with _fresh_pool(spec, ids) as pool:                               # fresh processes per context
-            tsp = parallel_prefill(spec, ids, "tsp", 2, repeat=repeats, warmup=warm, pool=pool).ttft_s
-            kvr_e = parallel_prefill(spec, ids, "kvr", 2, repeat=repeats, warmup=warm, pool=pool).ttft_s
             swept = {r: parallel_prefill(spec, ids, "kvr", 2, partition_from_ratios(C, [r, 1 - r]),
-                                         repeat=max(1, repeats - 2), warmup=warm, pool=pool).ttft_s for r in sweep}
-            best_r = min(swept, key=swept.get)
-            best_chunks = partition_from_ratios(C, [best_r, 1 - best_r])
-            best = parallel_prefill(spec, ids, "kvr", 2, best_chunks, repeat=repeats, warmup=warm, pool=pool).ttft_s
-        rows.append({"context": C, "single_1t": one, "single_2t": two, "tsp": tsp, "kvr_even": kvr_e,
-                     "kvr_best": best, "kvr_best_chunks": best_chunks, "lower_bound": ttft_lower_bound(one, 2)})
-        _progress(rows[-1])
-    return {"repeats": repeats, "warm": warm, "sweep": [f"{r:.2f}" for r in sweep],
-            "sweep_repeats": max(1, repeats - 2), "rows": rows, "sdpa": _sdpa_rows(contexts[-2:], repeats, warm, rows)}
+                                         repeat=sweep_repeats, warmup=warm, pool=pool).ttft_s for r in sweep}
+        best_r = min(swept, key=swept.get)
+        best_chunks = partition_from_ratios(C, [best_r, 1 - best_r])
+        rows.append(_prefill_row(compare_prefills(
+            spec, ids, {"TSP": {"method": "tsp"}, "KVR-E": {"method": "kvr"},
+                        "KVR-best": {"method": "kvr", "partition": best_chunks}},
+            rounds=rounds, warmup=warm, timeout_s=3600, machine=machine, single_in_workers=True),
+            spec.config, best_chunks, ttft_lower_bound(1.0, 2)))
+        _progress({"context": C, **{k: str(v) for k, v in rows[-1]["runs"].items()}})
+    sdpa = []
+    for C in contexts[-2:]:
+        chunks = next(r["chunks"] for r in rows if r["context"] == C)
+        sdpa_spec = ModelSpec("bench", attention="sdpa")
+        cmp = compare_prefills(sdpa_spec, random_prompt(C, spec.config.vocab_size),
+                               {"TSP": {"method": "tsp"}, "KVR": {"method": "kvr", "partition": chunks}},
+                               rounds=rounds, warmup=warm, timeout_s=3600, machine=machine, single_in_workers=True)
+        sdpa.append({"context": C, "chunks": chunks, "runs": cmp.runs, "baseline": cmp.baseline,
+                     "vs_tsp": cmp.verdict("KVR", "TSP"), "vs_base": cmp.verdict("KVR")})
+        _progress({"context": C, "sdpa": True, **{k: str(v) for k, v in cmp.runs.items()}})
+    return {"rounds": rounds, "warm": warm, "sweep": [f"{r:.2f}" for r in sweep], "sweep_repeats": sweep_repeats,
+            "machine": machine.line, "one_thread": ONE_THREAD, "two_threads": TWO_THREADS, "rows": rows, "sdpa": sdpa}
 
 
-def _sdpa_rows(contexts, repeats: int, warm: int, dense_rows: list[dict]) -> list[dict]:
-    """The same comparison with PyTorch's fused kernel, which lets one process skip the masked half."""
-    spec = ModelSpec("bench", attention="sdpa")
-    best = {r["context"]: r["kvr_best_chunks"] for r in dense_rows}
-    rows = []
-    for C in contexts:
-        ids = random_prompt(C, spec.config.vocab_size)
-        two = _single_s(spec, ids, 2, repeats, warm)
-        with _fresh_pool(spec, ids) as pool:
-            tsp = parallel_prefill(spec, ids, "tsp", 2, repeat=repeats, warmup=warm, pool=pool).ttft_s
-            kvr = parallel_prefill(spec, ids, "kvr", 2, best[C], repeat=repeats, warmup=warm, pool=pool).ttft_s
-        rows.append({"context": C, "single_2t": two, "tsp": tsp, "kvr": kvr, "chunks": best[C]})
-        _progress(rows[-1])
-    return rows
+def _prefill_row(cmp, cfg, chunks: list[int], bound_factor: float) -> dict:
+    """One context of the prefill section: the runs, the verdicts, and the paper's lower bound TTFT*(2)
+    computed from each one-thread run (``bound_factor`` = 3/8), with the configurations that beat it."""
+    from .measure import ONE_THREAD
+
+    bound = cmp.runs[ONE_THREAD].scaled(bound_factor)
+    below = [name for name in cmp.parallel if cmp.runs[name].median < bound.median]
+    return {"context": cmp.context, "chunks": chunks, "runs": cmp.runs, "baseline": cmp.baseline, "why": cmp.why,
+            "bound": bound, "below_bound": below,
+            "scores_mb": cfg.n_heads * cmp.context ** 2 * 4 / 1e6,       # one layer's float32 scores, one process
+            "verdicts": {"kvr_e_vs_tsp": cmp.verdict("KVR-E", "TSP"), "best_vs_tsp": cmp.verdict("KVR-best", "TSP"),
+                         "best_vs_base": cmp.verdict("KVR-best")}}
 
 
 def bench_search(quick: bool = False) -> dict:
     """Simulator vs measurement, measured vs simulated search, KVR-P vs KVR-S, simulated 8-GPU scaling."""
     from .analysis import LLAMA_7B
     from .partition import PartitionTable, partition_from_ratios, search_boundary_1d
+    from .measure import compare, interleaved_runs, spread
     from .simulate import CostModel, a100_like, compare_methods, simulate_prefill, ttft_cost
 
     cfg, spec = get_config("bench"), ModelSpec("bench")
@@ -210,8 +226,10 @@ def bench_search(quick: bool = False) -> dict:
             for method, ratio in [("tsp", 0.5), ("kvr", 0.5), ("kvr", 0.6), ("kvr", 0.7)]:
                 chunks = partition_from_ratios(C, [ratio, 1 - ratio])
                 sim = simulate_prefill(cfg, chunks, method, cm, record_events=False).ttft_s
-                real = measured_cost(spec, ids, pool, method, repeat=repeats, warmup=warm)(chunks)
-                accuracy.append({"context": C, "method": method, "chunks": chunks, "sim": sim, "real": real})
+                real = spread(parallel_prefill(spec, ids, method, 2, chunks, repeat=repeats, warmup=warm,
+                                               pool=pool).ttft_runs)
+                accuracy.append({"context": C, "method": method, "chunks": chunks, "sim": sim, "real": real.median,
+                                 "runs": real})
                 _progress(accuracy[-1])
     errors = [abs(r["sim"] - r["real"]) / r["real"] for r in accuracy]
 
@@ -237,8 +255,9 @@ def bench_search(quick: bool = False) -> dict:
     ids = random_prompt(target, cfg.vocab_size)
     with _fresh_pool(spec, ids) as pool:
         measure = measured_cost(spec, ids, pool, repeat=repeats, warmup=warm)
-        rounds = [(measure(predicted), measure(kvr_s)) for _ in range(3)]   # alternate, so drift hits both
-        t_p, t_s = (statistics.median(r[i] for r in rounds) for i in (0, 1))
+        runs = interleaved_runs({"p": lambda: measure(predicted), "s": lambda: measure(kvr_s)}, 5, warmup=0)
+        p_vs_s = compare(runs["p"], runs["s"])          # in turns, so drift hits both
+        t_p, t_s = p_vs_s.ours.median, p_vs_s.base.median
     searches.append({"context": target, "search": f"KVR-P (table {list(table_contexts)})", "chunks": predicted,
                      "evaluations": 0, "ttft": t_p})
 
@@ -251,54 +270,64 @@ def bench_search(quick: bool = False) -> dict:
         scaling.append({**r, "bandwidth": bw})
     return {"cm": cm, "repeats": repeats, "warm": warm, "accuracy": accuracy, "max_error": max(errors),
             "median_error": statistics.median(errors), "searches": searches, "target": target,
-            "table_contexts": list(table_contexts), "t_p": t_p, "t_s": t_s,
+            "table_contexts": list(table_contexts), "t_p": t_p, "t_s": t_s, "p_vs_s": p_vs_s,
+            "same_partition": list(predicted) == list(kvr_s),
             "gpu_label": a100_like(LLAMA_7B).label, "scaling": scaling}
 
 
-def _kvr_search(spec, ids, pool, repeats, warm, shares) -> tuple[list[int], float]:
-    """The best first-rank share of a sweep (measured), re-timed: KVR-S for p = 2."""
+def _kvr_sweep(spec, ids, shares, warm: int, settle: int) -> list[int]:
+    """KVR-S for p = 2: the first-rank share of ``shares`` whose single timed run was fastest, as chunks."""
     from .partition import partition_from_ratios
 
     C = len(ids)
-    swept = {r: parallel_prefill(spec, ids, "kvr", 2, partition_from_ratios(C, [r, 1 - r]), repeat=1,
-                                 warmup=warm, pool=pool).ttft_s for r in shares}
-    if repeats == 1:                  # a single timed run per point: the sweep's best is the measurement
-        best = min(swept, key=swept.get)
-        return partition_from_ratios(C, [best, 1 - best]), swept[best]
-    chunks = partition_from_ratios(C, [min(swept, key=swept.get), 1 - min(swept, key=swept.get)])
-    return chunks, parallel_prefill(spec, ids, "kvr", 2, chunks, repeat=repeats, warmup=warm, pool=pool).ttft_s
+    with _fresh_pool(spec, ids, settle=settle) as pool:
+        swept = {r: parallel_prefill(spec, ids, "kvr", 2, partition_from_ratios(C, [r, 1 - r]), repeat=1,
+                                     warmup=warm, pool=pool).ttft_s for r in shares}
+    best = min(swept, key=swept.get)
+    return partition_from_ratios(C, [best, 1 - best])
 
 
 def bench_kernels(quick: bool = False) -> dict:
     """Causal-aware attention for every method: one process vs TSP (plain, zigzag) vs KVR, bench preset and SmolLM2.
 
-    SmolLM2 at 8k tokens takes minutes per dense run on 2 cores, so its rows
-    are single runs after the pool's settling run, and its sweep has two points.
+    With the causal-aware kernel, one process (PyTorch's fused causal kernel, 1 and 2 threads), TSP,
+    zigzag TSP, KVR-E and KVR-S take turns round by round (``measure.compare_prefills``). SmolLM2 at 8k
+    tokens takes about a minute per dense run on 2 cores, so its dense row runs each method once.
     """
+    from .measure import check_machine, compare, compare_prefills, spread
+
+    machine = check_machine()
+    print(f"  {machine.line}", flush=True)
     rows = []
     plan = ([("bench", 2048, "causal"), ("smollm2-135m", 1024, "dense"), ("smollm2-135m", 1024, "causal")] if quick
             else [("bench", 8192, "causal"), ("smollm2-135m", 8192, "dense"), ("smollm2-135m", 8192, "causal")])
     for model, C, kernel in plan:
         big = model != "bench"
-        repeats, warm = (1, 0) if (quick or big) else (3, 1)
         spec = ModelSpec(model, attention=kernel)
         ids = random_prompt(C, spec.config.vocab_size)
         shares = {("dense", True): (0.58, 0.62), ("causal", True): (0.68, 0.72),
                   ("dense", False): (0.56, 0.6, 0.64), ("causal", False): (0.66, 0.7, 0.74)}[kernel, big]
-        row = {"model": model, "context": C, "kernel": kernel, "repeats": repeats}
+        chunks = _kvr_sweep(spec, ids, shares, warm=0 if big else 1, settle=1 if big else 3)
+        row = {"model": model, "context": C, "kernel": kernel, "chunks": chunks}
         if kernel == "causal":          # the best one-process alternative: PyTorch's fused causal kernel
-            row["single_1t"] = _single_s(ModelSpec(model, attention="sdpa"), ids, 1, repeats, 1)
-            row["single_2t"] = _single_s(ModelSpec(model, attention="sdpa"), ids, 2, repeats, 1)
-        with _fresh_pool(spec, ids, settle=1 if big else 3) as pool:
-            row["tsp"] = parallel_prefill(spec, ids, "tsp", 2, repeat=repeats, warmup=warm, pool=pool).ttft_s
-            if kernel == "causal":
-                row["tsp_zigzag"] = parallel_prefill(spec, ids, "tsp", 2, balance="zigzag", repeat=repeats,
-                                                     warmup=warm, pool=pool).ttft_s
-            row["kvr_even"] = parallel_prefill(spec, ids, "kvr", 2, repeat=repeats, warmup=warm, pool=pool).ttft_s
-            row["kvr_s_chunks"], row["kvr_s"] = _kvr_search(spec, ids, pool, repeats, warm, shares)
+            configs = {"TSP": {"method": "tsp"}, "TSP-zigzag": {"method": "tsp", "balance": "zigzag"},
+                       "KVR-E": {"method": "kvr"}, "KVR-S": {"method": "kvr", "partition": chunks}}
+            cmp = compare_prefills(spec, ids, configs, single_spec=ModelSpec(model, attention="sdpa"),
+                                   rounds=2 if quick or big else 3, warmup=1, timeout_s=3600, machine=machine,
+                                   single_in_workers=True)
+            row.update(runs=cmp.runs, baseline=cmp.baseline, rounds=len(cmp.runs["TSP"].runs),
+                       verdicts={"tsp": cmp.verdict("KVR-S", "TSP"), "zigzag": cmp.verdict("KVR-S", "TSP-zigzag"),
+                                 "base": cmp.verdict("KVR-S")})
+        else:                           # one run per method, after the pool's settling run
+            with _fresh_pool(spec, ids, settle=1) as pool:
+                runs = {name: spread([parallel_prefill(spec, ids, method, 2, part, repeat=1, warmup=0,
+                                                       pool=pool).ttft_s])
+                        for name, method, part in [("TSP", "tsp", None), ("KVR-E", "kvr", None),
+                                                   ("KVR-S", "kvr", chunks)]}
+            row.update(runs=runs, rounds=1, verdicts={"tsp": compare(runs["KVR-S"], runs["TSP"])})
         rows.append(row)
-        _progress(row)
-    return {"rows": rows}
+        _progress({k: (str(v) if k == "runs" else v) for k, v in row.items() if k != "verdicts"})
+    return {"rows": rows, "machine": machine.line}
 
 
 ATTENTION_BENCH_KERNELS = ("dense", "sdpa", "blockwise", "causal")
@@ -509,6 +538,20 @@ def _than(ratio: float) -> str:
     return f"{ratio:.2f}x faster than" if ratio >= 1 else f"{1 / ratio:.2f}x slower than"
 
 
+def _runs(s) -> str:
+    """A Spread as a table cell in seconds: "0.512 [0.498-0.530]" (median, fastest and slowest run)."""
+    return f"{s.median:.3f}" if len(s.runs) == 1 else f"{s.median:.3f} [{s.low:.3f}-{s.high:.3f}]"
+
+
+def _short(v) -> str:
+    """A Verdict as a table cell: "1.32x faster", "1.25x slower", "tie (1.02x)"."""
+    if v.word == "faster":
+        return f"{v.ratio:.2f}x faster"
+    if v.word == "slower":
+        return f"{1 / v.ratio:.2f}x slower"
+    return f"{v.word} ({v.ratio:.2f}x)"
+
+
 def _verdict(value: float, target: float) -> str:
     return "meets" if value >= target else "does not meet"
 
@@ -519,7 +562,7 @@ def _template():
 
     env = jinja2.Environment(loader=jinja2.PackageLoader("toyllm", "templates"), undefined=jinja2.StrictUndefined,
                              trim_blocks=False, keep_trailing_newline=True)
-    env.filters.update(than=_than, verdict=_verdict, median=statistics.median)
+    env.filters.update(than=_than, verdict=_verdict, median=statistics.median, runs=_runs, short=_short)
     return env.get_template("benchmarks.md.j2")
 
 

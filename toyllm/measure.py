@@ -21,6 +21,7 @@ All times are in seconds. Nothing here asserts on a timing.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import statistics
@@ -338,7 +339,7 @@ class PrefillComparison:
 
 def compare_prefills(spec, ids: Sequence[int], parallel: dict[str, dict], *, single_spec=None, rounds: int = 3,
                      warmup: int = 1, world_size: int = 2, timeout_s: float = 120.0,
-                     machine: MachineState | None = None) -> PrefillComparison:
+                     machine: MachineState | None = None, single_in_workers: bool = False) -> PrefillComparison:
     """Time one process (1 thread, 2 threads) and each parallel configuration on ``ids``, in turns.
 
     ``parallel``: a name for each configuration -> keyword arguments of
@@ -350,6 +351,10 @@ def compare_prefills(spec, ids: Sequence[int], parallel: dict[str, dict], *, sin
     every configuration once (``warmup`` untimed rounds first), so a slow
     spell of the machine hits all alike; ``machine`` (``check_machine``,
     whose line a lesson prints before timing) is measured first unless given.
+    ``single_in_workers``: run the one-process configurations in two worker
+    processes of their own (1 thread, 2 threads), started once, instead of
+    in this one: a benchmark's long contexts then keep their attention
+    scores (gigabytes at 8k tokens) out of this process's memory.
     """
     from .launch import WorkerPool
     from .parallel import parallel_prefill
@@ -358,13 +363,19 @@ def compare_prefills(spec, ids: Sequence[int], parallel: dict[str, dict], *, sin
     single_spec = spec if single_spec is None else single_spec
     results: dict = {}
 
-    def single(threads: int, name: str):
-        def run() -> float:
-            results[name] = parallel_prefill(single_spec, ids, "single", 1, threads_per_rank=threads, warmup=0)
-            return results[name].ttft_runs[0]
-        return run
+    with contextlib.ExitStack() as stack:
+        solo = ({t: stack.enter_context(WorkerPool(1, threads_per_rank=t, timeout_s=timeout_s)) for t in (1, 2)}
+                if single_in_workers else {})
 
-    with WorkerPool(world_size, threads_per_rank=1, timeout_s=timeout_s) as pool:
+        def single(threads: int, name: str):
+            def run() -> float:
+                results[name] = parallel_prefill(single_spec, ids, "single", 1, threads_per_rank=threads, warmup=0,
+                                                 pool=solo.get(threads), timeout_s=timeout_s)
+                return results[name].ttft_runs[0]
+            return run
+
+        pool = stack.enter_context(WorkerPool(world_size, threads_per_rank=1, timeout_s=timeout_s))
+
         def on_pool(name: str, kwargs: dict):
             def run() -> float:
                 results[name] = parallel_prefill(spec, ids, world_size=world_size, pool=pool, warmup=0,

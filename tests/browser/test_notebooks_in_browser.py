@@ -12,7 +12,9 @@ Run > Run All Cells, waits for the kernel, and then reads the rendered page:
   view, none stuck on "Loading widget...", none shown as its text fallback
   (``VBox(children=...)``, what a page without the widget renderer shows);
 - moving the first slider of the lesson's first widget with the mouse changes
-  what the widget shows (its text or its figure), i.e. the kernel answered.
+  what the widget shows (its text or its figure), i.e. the kernel answered;
+- every printed verdict ("KVR 0.41 s [0.40-0.43 s] vs TSP 0.50 s [...]: KVR is
+  1.22x faster") follows from the runs it prints (``tests/verdict_text.py``).
 
 A fixture notebook with deliberately broken outputs proves the check fails
 when it should. Screenshots of each lesson's first widget, before and after
@@ -30,6 +32,11 @@ import nbformat
 import pytest
 
 from toyllm import answers
+
+try:
+    from tests.verdict_text import verdict_problems
+except ImportError:                          # tests/ itself on sys.path
+    from verdict_text import verdict_problems
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LESSONS = sorted((REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -108,6 +115,7 @@ def find_problems(cells: list[dict], sources: list[str]) -> list[str]:
                 problems.append(f"{where}: widget never rendered ({text[:80]!r})")
             if out["mime"] == "text/plain" and WIDGET_REPR.match(text):
                 problems.append(f"{where}: a widget shown as text, not rendered: {text[:80]!r}")
+            problems += [f"{where}: {problem}" for problem in verdict_problems(text)]
         if PLOT_CALL.search(source) and not any(out["images"] for out in outputs):
             problems.append(f"{where}: draws a plot but the page shows no image")
     return problems
@@ -221,14 +229,15 @@ def test_the_check_flags_broken_outputs(lab, browser, copy_into_lab):
         lab.shutdown_kernels()
     flagged = {int(re.match(r"code cell (\d+)", p)[1]) for p in problems}
     text = "\n".join(problems)
-    assert flagged == {1, 2, 3, 4, 5, 6, 7}, text          # code cell 0 is a working widget
+    assert flagged == {1, 2, 3, 4, 5, 6, 7, 8}, text       # code cell 0 is a working widget
     assert re.search(r"code cell 1 .*widget failed: 'Error displaying widget: model not found'", text), text
     assert re.search(r"code cell 2 .*widget failed", text), text
     assert re.search(r"code cell 3 .*a widget shown as text", text), text
     assert re.search(r"code cell 4 .*error output: .*Traceback", text), text
     assert re.search(r"code cell 5 .*draws a plot but the page shows no image", text), text
-    assert re.search(r"code cell 6 .*error output", text), text
-    assert re.search(r"code cell 7 .*did not run", text), text   # Run All stops at the error
+    assert re.search(r"code cell 6 .*the printed runs do not support the verdict", text), text
+    assert re.search(r"code cell 7 .*error output", text), text
+    assert re.search(r"code cell 8 .*did not run", text), text   # Run All stops at the error
 
 
 @pytest.mark.needs(*sorted(answers.answer_marks()))    # the lessons run the exercises the framework is built on
