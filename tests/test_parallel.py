@@ -148,12 +148,14 @@ def test_ttft_is_when_the_last_rank_has_the_first_token(pools):
 @pytest.mark.timeout(300)
 def test_a_one_process_prefill_runs_in_a_one_worker_pool_on_its_threads(pools, references):
     """method="single" with a one-process pool runs there (a benchmark keeps its big scores out of its own
-    heap), on the pool's threads, and equals the prefill in this process."""
+    heap), on the threads asked for, and equals the prefill in this process."""
     with WorkerPool(1, threads_per_rank=2, timeout_s=120) as solo:
-        result = parallel_prefill(SPECS["gqa"], _ids(), "single", 1, pool=solo, repeat=2, return_cache=True)
-    assert result.method == "single" and result.world_size == 1 and result.threads_per_rank == 2
-    assert len(result.ttft_runs) == 2
-    _assert_matches(result, references["gqa"])
+        for threads in (1, 2):
+            result = parallel_prefill(SPECS["gqa"], _ids(), "single", 1, threads_per_rank=threads, pool=solo,
+                                      repeat=2, return_cache=True)
+            assert result.method == "single" and result.world_size == 1 and result.threads_per_rank == threads
+            assert len(result.ttft_runs) == 2
+            _assert_matches(result, references["gqa"])
     with pytest.raises(ValueError, match="method 'single' runs in one process; the pool has 2"):
         parallel_prefill(SPECS["gqa"], _ids(), "single", 1, pool=pools(2))
 

@@ -17,14 +17,11 @@ words must follow them.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-import time
 
 import pytest
 
 from toyllm.measure import (ONE_THREAD, TWO_THREADS, MachineState, PrefillComparison, check_machine, compare,
-                            compare_prefills, spread, usable_cores)
+                            compare_prefills, spread)
 
 UNITS = {"ms": 1e-3, "s": 1.0}
 # "512.0 ms [498.0-530.0 ms]", "1.600 s [1.500-1.700 s]" or, units mixed, "926.0 ms [128.8 ms-1.074 s]"
@@ -116,17 +113,11 @@ def test_the_checker_catches_a_verdict_the_ranges_do_not_support():
 
 @pytest.fixture
 def cpu_hog():
-    """A process spinning on every usable core for the test's duration (each stops by itself after 5 minutes)."""
-    spin = "import time\nend = time.monotonic() + 300\nwhile time.monotonic() < end:\n    pass\n"
-    hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(usable_cores())]
-    try:
-        time.sleep(0.5)                       # let them start spinning
-        yield len(hogs)
-    finally:
-        for p in hogs:
-            p.kill()
-        for p in hogs:
-            p.wait(timeout=30)
+    """A process spinning on every usable core for the test's duration."""
+    from verdict_text import cpu_hog as hog
+
+    with hog() as n:
+        yield n
 
 
 @pytest.mark.slow
@@ -168,6 +159,8 @@ def test_lesson_05_verdicts_follow_the_runs_beside_a_cpu_hog(cpu_hog):
     ([0.48, 0.50, 0.55], [0.49, 0.50, 0.52]),            # tie: the ranges overlap
     ([0.500, 0.501, 0.502], [0.503, 0.504, 0.505]),      # tie: apart, but medians within 1%
     ([0.095, 0.1, 1.2], [0.2, 0.21, 0.4]),               # mixed units
+    ([1.83e-3, 1.81e-3, 1.95e-3], [1.80e-3, 1.71e-3, 1.79e-3]),   # slower, ranges 10 us apart: more digits
+    ([1.1870, 1.2001], [1.2004, 1.2170]),                # faster, apart only in the fourth decimal
     ([0.4], [0.49, 0.50, 0.52]),                         # undecided: one run
 ])
 def test_every_sentence_measure_prints_reads_back_as_its_verdict(ours, base):

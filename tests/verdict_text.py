@@ -12,7 +12,17 @@ ranges alone, the way a reader would:
 """
 from __future__ import annotations
 
+import contextlib
 import re
+import subprocess
+import sys
+import time
+
+from toyllm.measure import usable_cores
+
+# Lessons whose cells time things and print verdicts, run beside a CPU hog by the notebook tests (lessons 04
+# and 05 time through measure.compare_prefills, which tests/test_verdicts.py runs beside a hog itself).
+BUSY_LESSONS = ("01_naive_generation", "06_partition_search", "08_serving")
 
 UNITS = {"ms": 1e-3, "s": 1.0}
 _NUMBER = r"\d+(?:\.\d+)?"
@@ -60,3 +70,19 @@ def verdict_problems(text: str, min_effect: float = 0.01) -> list[str]:
 def count_verdicts(text: str) -> int:
     """How many "A ... vs B ...: verdict" sentences ``text`` holds."""
     return sum(1 for _ in SENTENCE.finditer(text))
+
+
+@contextlib.contextmanager
+def cpu_hog():
+    """A process spinning on every usable core while the block runs (each also stops by itself after 15 minutes):
+    the machine a learner shares with other work."""
+    spin = "import time\nend = time.monotonic() + 900\nwhile time.monotonic() < end:\n    pass\n"
+    hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(usable_cores())]
+    try:
+        time.sleep(0.5)                       # let them start spinning
+        yield len(hogs)
+    finally:
+        for p in hogs:
+            p.kill()
+        for p in hogs:
+            p.wait(timeout=30)

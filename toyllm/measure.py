@@ -36,9 +36,10 @@ MIN_EFFECT = 0.01
 WORDS = ("faster", "slower", "tie", "undecided")
 
 
-def format_seconds(s: float) -> str:
-    """0.0123 -> "12.3 ms", 1.5 -> "1.500 s": milliseconds below a second, seconds above."""
-    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.3f} s"
+def format_seconds(s: float, extra_digits: int = 0) -> str:
+    """0.0123 -> "12.3 ms", 1.5 -> "1.500 s": milliseconds below a second, seconds above
+    (``extra_digits`` more decimals where two close numbers must print apart)."""
+    return f"{s * 1e3:.{1 + extra_digits}f} ms" if s < 1 else f"{s:.{3 + extra_digits}f} s"
 
 
 @dataclass(frozen=True)
@@ -71,13 +72,17 @@ class Spread:
 
     def __str__(self) -> str:
         """ "0.512 s [0.498-0.530 s]" (median, then lowest and highest run) or "0.512 s (1 run)". """
+        return self.format()
+
+    def format(self, extra_digits: int = 0) -> str:
+        """``str(self)`` with ``extra_digits`` more decimals in every number."""
+        median = format_seconds(self.median, extra_digits)
         if len(self.runs) == 1:
-            return f"{format_seconds(self.median)} (1 run)"
-        low, high = format_seconds(self.low), format_seconds(self.high)
-        unit = low.split()[1]
-        if high.split()[1] == unit:                     # "[0.498-0.530 s]"; mixed units stay spelled out
-            return f"{format_seconds(self.median)} [{low.split()[0]}-{high}]"
-        return f"{format_seconds(self.median)} [{low}-{high}]"
+            return f"{median} (1 run)"
+        low, high = format_seconds(self.low, extra_digits), format_seconds(self.high, extra_digits)
+        if high.split()[1] == low.split()[1]:           # "[0.498-0.530 s]"; mixed units stay spelled out
+            return f"{median} [{low.split()[0]}-{high}]"
+        return f"{median} [{low}-{high}]"
 
 
 def spread(runs: Sequence[float] | Spread) -> Spread:
@@ -110,12 +115,28 @@ class Verdict:
             return f"as fast ({self.ratio:.2f}x, inside the spread of the runs) as"
         return f"not comparable from a single run ({self.ratio:.2f}x) with"
 
+    @property
+    def _digits(self) -> int:
+        """Extra decimals a sentence needs so that a reader sees what decided it: for "faster" or
+        "slower", the two ranges and the two medians print apart (1.8 ms [1.8-2.0 ms] vs 1.8 ms
+        [1.7-1.8 ms] would hide a decided difference that 1.83 ms [1.81-1.95 ms] shows)."""
+        if not self.decided:
+            return 0
+        slow, fast = (self.ours, self.base) if self.word == "slower" else (self.base, self.ours)
+        for extra in range(4):
+            def shown(t: float) -> float:
+                number, unit = format_seconds(t, extra).split()
+                return float(number) * (1e-3 if unit == "ms" else 1.0)
+            if shown(fast.high) < shown(slow.low) and shown(fast.median) < shown(slow.median):
+                return extra
+        return 4
+
     def sentence(self, ours: str, base: str) -> str:
         """One line with both medians, the ranges of their runs and the decision.
 
         "KVR 0.41 s [0.40-0.43 s] vs TSP 0.50 s [0.49-0.52 s]: KVR is 1.22x faster"
         """
-        numbers = f"{ours} {self.ours} vs {base} {self.base}"
+        numbers = f"{ours} {self.ours.format(self._digits)} vs {base} {self.base.format(self._digits)}"
         if self.word == "faster":
             return f"{numbers}: {ours} is {self.ratio:.2f}x faster"
         if self.word == "slower":
@@ -351,10 +372,11 @@ def compare_prefills(spec, ids: Sequence[int], parallel: dict[str, dict], *, sin
     every configuration once (``warmup`` untimed rounds first), so a slow
     spell of the machine hits all alike; ``machine`` (``check_machine``,
     whose line a lesson prints before timing) is measured first unless given.
-    ``single_in_workers``: run the one-process configurations in two worker
-    processes of their own (1 thread, 2 threads), started once, instead of
-    in this one: a benchmark's long contexts then keep their attention
-    scores (gigabytes at 8k tokens) out of this process's memory.
+    ``single_in_workers``: run the one-process configurations in a worker
+    process of their own, started once (it switches between 1 and 2
+    threads as this process would), instead of in this one: a benchmark's
+    long contexts then keep their attention scores (gigabytes at 8k tokens)
+    out of this process's memory.
     """
     from .launch import WorkerPool
     from .parallel import parallel_prefill
@@ -364,13 +386,12 @@ def compare_prefills(spec, ids: Sequence[int], parallel: dict[str, dict], *, sin
     results: dict = {}
 
     with contextlib.ExitStack() as stack:
-        solo = ({t: stack.enter_context(WorkerPool(1, threads_per_rank=t, timeout_s=timeout_s)) for t in (1, 2)}
-                if single_in_workers else {})
+        solo = stack.enter_context(WorkerPool(1, threads_per_rank=2, timeout_s=timeout_s)) if single_in_workers else None
 
         def single(threads: int, name: str):
             def run() -> float:
                 results[name] = parallel_prefill(single_spec, ids, "single", 1, threads_per_rank=threads, warmup=0,
-                                                 pool=solo.get(threads), timeout_s=timeout_s)
+                                                 pool=solo, timeout_s=timeout_s)
                 return results[name].ttft_runs[0]
             return run
 

@@ -393,8 +393,8 @@ def parallel_prefill(spec: ModelSpec | str, ids: list[int], method: str = "kvr",
                      link: LinkModel | None = None, repeat: int = 1, warmup: int = 1, threads_per_rank: int = 1,
                      backend: str = "auto", return_cache: bool = False, decode_tokens: int = 0,
                      pool: WorkerPool | None = None, timeout_s: float | None = None) -> PrefillResult:
-    """Prefill ``ids`` on ``world_size`` processes with "tsp" or "kvr" (or "single": one process, this
-    one, or the worker of a one-process ``pool``, which then sets the threads).
+    """Prefill ``ids`` on ``world_size`` processes with "tsp" or "kvr" (or "single": one process on
+    ``threads_per_rank`` threads, this one, or the worker of a one-process ``pool``).
 
     partition: tokens per rank (default: even split). overlap: KVR posts its
     receives early and sends without waiting (False: blocking). balance: how
@@ -424,7 +424,8 @@ def parallel_prefill(spec: ModelSpec | str, ids: list[int], method: str = "kvr",
                            return_cache=return_cache, decode_tokens=decode_tokens)
         if pool.world_size != 1:
             raise ValueError(f"method 'single' runs in one process; the pool has {pool.world_size}")
-        kwargs = dict(repeat=repeat, warmup=warmup, return_cache=return_cache, decode_tokens=decode_tokens)
+        kwargs = dict(repeat=repeat, warmup=warmup, threads=threads_per_rank, return_cache=return_cache,
+                      decode_tokens=decode_tokens)
         return pool.run(_single_rank, (spec, list(ids)), kwargs, timeout_s=timeout_s)[0]
     if pool is not None and pool.world_size != world_size:
         raise ValueError(f"the pool has {pool.world_size} processes but world size is {world_size}")
@@ -481,8 +482,8 @@ def _single(spec, ids, *, repeat, warmup, threads, return_cache, decode_tokens) 
 
 
 def _single_rank(ctx: RankContext, spec: ModelSpec, ids: list[int], **kwargs) -> PrefillResult:
-    """The worker function of a one-process prefill in a pool's only worker, on that worker's threads."""
-    return _single(spec, ids, threads=torch.get_num_threads(), **kwargs)
+    """The worker function of a one-process prefill in a pool's only worker."""
+    return _single(spec, ids, **kwargs)
 
 
 def torchrun_main(spec: ModelSpec, ids, method, chunks, *, overlap=True, link=None, repeat=1, warmup=1,
