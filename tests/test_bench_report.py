@@ -155,3 +155,32 @@ def test_the_serving_benchmark_runs_each_way_in_turns(monkeypatch):
     assert all(len(r["ttft_p99"].runs) == data["rounds"] for r in data["rows"])
     text = render_section("serving", data)
     assert text.count("- TTFT p99:") == 3 and "| disaggregated |" in text
+
+
+def test_generation_and_weight_cells_show_their_rounds_and_decide_from_them():
+    from toyllm.measure import compare, spread
+
+    def gen_row(name, naive, cached):
+        naive, cached = spread(naive), spread(cached)
+        return {"name": name, "naive": naive, "cached": cached, "speedup": naive.median / cached.median,
+                "verdict": compare(cached, naive), "identical": True}
+
+    rows = [gen_row("tiny", [1.4, 1.5, 1.6], [0.30, 0.31, 0.32]), gen_row("bench", [11.0, 11.3, 11.5], [1.3, 1.31, 1.4])]
+    smol = {"prompt_len": 38, "new_tokens": 64, "ttft_s": 0.1, "tpot_s": 0.05}
+    text = render_section("generation", {"prompt_len": 64, "new_tokens": 512, "threads": 2, "repeats": 3,
+                                         "rows": rows, "best": rows[1], "smol": smol})
+    assert "| tiny | 1.500 [1.400-1.600] | 0.310 [0.300-0.320] | 4.84x faster | True |" in text
+
+    def fmt_row(fmt, runs_s, fp32_runs):
+        return {"format": fmt, "bytes_per_token": 271e6, "floor_tokens_per_s": 87.3, "tokens_per_s": 1 / spread(runs_s).median,
+                "runs_s": runs_s, "vs_fp32": compare(runs_s, fp32_runs), "paris": True, "same_as_fp32": True}
+
+    fp32 = [0.060, 0.059, 0.061]
+    weights = [fmt_row("fp32", fp32, fp32), fmt_row("fp16", [0.023, 0.0225, 0.024], fp32),
+               fmt_row("bf16", [0.058, 0.062, 0.060], fp32)]
+    text = render_section("weights", {"bandwidth_bytes_per_s": 23.7e9, "threads": 2, "prompt_len": 37, "new_tokens": 32,
+                                      "rounds": 3, "attention": "dense", "rows": weights, "best": weights[1]})
+    assert "| fp32 | 271 | 87.3 | 16.7 [16.4-16.9] | 19% | - |" in text
+    assert "| fp16 | 271 | 87.3 | 43.5 [41.7-44.4] | 50% | 2.61x faster |" in text
+    assert "| bf16 | 271 | 87.3 | 16.7 [16.1-17.2] | 19% | tie (1.00x) |" in text      # the ranges overlap
+    assert "fp16: 43.5 tokens/s, 2.61x faster than float32" in text

@@ -43,9 +43,11 @@ def ensure_resident_heap(argv: list[str]) -> None:
     raise SystemExit(subprocess.call([sys.executable, "-m", "toyllm", *argv], env=env))
 
 
-def naive_vs_cached(model, prompt_len: int = 64, new_tokens: int = 256, repeats: int = 3, seed: int = 0) -> dict:
-    """Time a greedy generation both ways on the same random prompt (seconds, medians)."""
+def naive_vs_cached(model, prompt_len: int = 64, new_tokens: int = 256, rounds: int = 3, seed: int = 0) -> dict:
+    """Time a greedy generation both ways on the same random prompt (seconds), the two taking turns for
+    ``rounds`` rounds after a warm-up round; "verdict" is the cache's, against naive (``measure.compare``)."""
     from .generation import generate
+    from .measure import compare, interleaved_runs, spread
 
     ids = random_prompt(prompt_len, model.config.vocab_size, seed)
     outs = {}
@@ -53,10 +55,11 @@ def naive_vs_cached(model, prompt_len: int = 64, new_tokens: int = 256, repeats:
     def run(method):
         outs[method] = generate(model, ids, new_tokens, method=method).output_ids
 
-    naive_s, _ = median_time(lambda: run("naive"), repeats, warmup=0 if repeats == 1 else 1)
-    cached_s, _ = median_time(lambda: run("cached"), repeats, warmup=1)
-    return {"prompt_len": prompt_len, "new_tokens": new_tokens, "naive_s": naive_s, "cached_s": cached_s,
-            "speedup": naive_s / cached_s, "identical": outs["naive"] == outs["cached"]}
+    runs = interleaved_runs({"naive": lambda: run("naive"), "cached": lambda: run("cached")}, rounds, warmup=1)
+    naive, cached = spread(runs["naive"]), spread(runs["cached"])
+    return {"prompt_len": prompt_len, "new_tokens": new_tokens, "naive": naive, "cached": cached,
+            "naive_s": naive.median, "cached_s": cached.median, "speedup": naive.median / cached.median,
+            "verdict": compare(cached, naive), "identical": outs["naive"] == outs["cached"]}
 
 
 def machine_line() -> str:
@@ -75,7 +78,7 @@ def bench_generation(quick: bool = False) -> dict:
     from .generation import generate
     from .weights import load_model
 
-    repeats = 1 if quick else 3
+    repeats = 2 if quick else 3
     new_tokens = 64 if quick else 512
     models = [(name, load_model(name)[0]) for name in ("tiny", "bench")]
     models.append((f"toy-512 ({TOY_512.d_model} wide, {TOY_512.n_layers} layers, MLP {TOY_512.ffn_dim})",
@@ -405,13 +408,14 @@ def bench_attention(quick: bool = False, contexts: tuple[int, ...] | None = None
 def bench_weights(quick: bool = False) -> dict:
     """SmolLM2 decode tokens/s per weight format beside the memory-bandwidth floor (lesson 03's roofline)."""
     from .bench_decode import copy_bandwidth, smollm2_formats
+    from .measure import compare
 
     bandwidth = copy_bandwidth()
     data = smollm2_formats(new_tokens=16 if quick else 32, rounds=2 if quick else 5)
-    fp32 = data["rows"][0]["tokens_per_s"]
+    fp32 = data["rows"][0]
     for row in data["rows"]:
         row["floor_tokens_per_s"] = bandwidth / row["bytes_per_token"]
-        row["vs_fp32"] = row["tokens_per_s"] / fp32
+        row["vs_fp32"] = compare(row["runs_s"], fp32["runs_s"])        # seconds per token, round by round
         _progress({k: v for k, v in row.items() if k in ("format", "tokens_per_s", "floor_tokens_per_s")})
     answering = [r for r in data["rows"] if r["paris"]]
     data["best"] = max(answering, key=lambda r: r["tokens_per_s"]) if answering else None

@@ -91,7 +91,9 @@ def smollm2_formats(formats=WEIGHT_FORMATS, new_tokens: int = 32, rounds: int = 
 def demo_decode_speed(formats=("fp32", "fp16", "bf16", "int8"), out=None) -> dict:
     """The demo's lines: SmolLM2 tokens/s in float32 and in the fastest format that still answers Paris."""
     out = out or sys.stdout
-    data = smollm2_formats(formats, new_tokens=16, rounds=2)
+    from .measure import compare
+
+    data = smollm2_formats(formats, new_tokens=16, rounds=3)
     rows = {r["format"]: r for r in data["rows"]}
     ok = [r for r in data["rows"] if r["paris"]]
     for r in data["rows"]:
@@ -99,9 +101,9 @@ def demo_decode_speed(formats=("fp32", "fp16", "bf16", "int8"), out=None) -> dic
               f"token, answer {'names Paris' if r['paris'] else 'MISSES Paris'}", file=out)
     if ok and "fp32" in rows:
         best = max(ok, key=lambda r: r["tokens_per_s"])
-        print(f"fastest format that still answers Paris: {best['format']}, "
-              f"{best['tokens_per_s'] / rows['fp32']['tokens_per_s']:.1f}x float32's "
-              f"{rows['fp32']['tokens_per_s']:.1f} tokens/s", file=out)
+        verdict = compare(best["runs_s"], rows["fp32"]["runs_s"])          # seconds per token, round by round
+        print(f"fastest format that still answers Paris: {best['format']}; per token, "
+              f"{verdict.sentence(best['format'], 'fp32')}", file=out)
     return data
 
 
