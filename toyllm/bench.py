@@ -24,7 +24,7 @@ import torch
 from .attention import ATTENTION_KERNELS
 from .launch import WorkerPool
 from .model import ModelConfig, build_model, get_config
-from .utils import median_time, random_prompt
+from .utils import random_prompt
 from .parallel import ModelSpec, measured_cost, parallel_prefill
 
 # glibc gives big freed blocks back to the OS at once; on this kind of VM the
