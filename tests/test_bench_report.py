@@ -184,3 +184,24 @@ def test_generation_and_weight_cells_show_their_rounds_and_decide_from_them():
     assert "| fp16 | 271 | 87.3 | 43.5 [41.7-44.4] | 50% | 2.61x faster |" in text
     assert "| bf16 | 271 | 87.3 | 16.7 [16.1-17.2] | 19% | tie (1.00x) |" in text      # the ranges overlap
     assert "fp16: 43.5 tokens/s, 2.61x faster than float32" in text
+
+
+def test_a_long_run_keeps_what_was_written_to_the_file_meanwhile(monkeypatch, tmp_path):
+    """run_benchmarks reads the file when it writes: an edit (or another run) during the work survives."""
+    import toyllm.bench as bench
+
+    for name, value in bench.RESIDENT_HEAP_ENV.items():
+        monkeypatch.setenv(name, value)          # no re-run of the command in a fresh process
+    target = tmp_path / "bench.md"
+    target.write_text("# Benchmarks\n\nintro\n\n<!-- bench:generation -->\nold\n<!-- /bench:generation -->\n")
+
+    def section(quick):                          # someone edits the introduction while this section runs
+        target.write_text(target.read_text().replace("intro", "a better intro"))
+        return {}
+
+    monkeypatch.setitem(bench.SECTIONS, "generation", section)
+    monkeypatch.setattr(bench, "render_section", lambda name, data: "a new table")
+    bench.run_benchmarks(str(target), sections=["generation"], quick=True)
+    text = target.read_text()
+    assert "a better intro" in text and "a new table" in text and "old" not in text
+    assert bench.cpu_name() in text and "PyTorch CPU capability" in text     # the line names the CPU

@@ -22,7 +22,7 @@ from toyllm.measure import usable_cores
 
 # Lessons whose cells time things and print verdicts, run beside a CPU hog by the notebook tests (lessons 04
 # and 05 time through measure.compare_prefills, which tests/test_verdicts.py runs beside a hog itself).
-BUSY_LESSONS = ("01_naive_generation", "06_partition_search", "08_serving")
+BUSY_LESSONS = ("01_naive_generation", "03_rooflines_and_memory", "06_partition_search", "08_serving")
 
 UNITS = {"ms": 1e-3, "s": 1.0}
 _NUMBER = r"\d+(?:\.\d+)?"

@@ -62,8 +62,20 @@ def naive_vs_cached(model, prompt_len: int = 64, new_tokens: int = 256, rounds: 
             "verdict": compare(cached, naive), "identical": outs["naive"] == outs["cached"]}
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo) and the vector instructions PyTorch's kernels use on it:
+    the same code runs different kernels on an AVX2 and an AVX-512 machine, so a timing needs both."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name}, PyTorch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+
+
 def machine_line() -> str:
-    return (f"{platform.machine()}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, "
+    return (f"{cpu_name()}, {platform.machine()}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, "
             f"{torch.get_num_threads()} intra-op threads unless stated; heap kept resident "
             f"({' '.join(f'{k}={v}' for k, v in RESIDENT_HEAP_ENV.items())})")
 
@@ -574,11 +586,14 @@ def run_benchmarks(out: str, sections: list[str] | None = None, quick: bool = Fa
     ensure_resident_heap(argv)
     command = "python -m toyllm " + " ".join(argv)
     path = Path(out)
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nEvery table says which command produced it.\n"
+    blocks = {}
     for name in sections or list(SECTIONS):
         body = render_section(name, SECTIONS[name](quick))
-        block = (f"<!-- bench:{name} -->\n{body}\n\nProduced by `{command}` on {time.strftime('%Y-%m-%d')}; "
-                 f"{machine_line()}.\n<!-- /bench:{name} -->")
+        blocks[name] = (f"<!-- bench:{name} -->\n{body}\n\nProduced by `{command}` on {time.strftime('%Y-%m-%d')}; "
+                        f"{machine_line()}.\n<!-- /bench:{name} -->")
+    # read only now: a run takes a while, and the file may have been edited (or written by another run) meanwhile
+    text = path.read_text() if path.exists() else "# Benchmarks\n\nEvery table says which command produced it.\n"
+    for name, block in blocks.items():
         start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
         if start in text and end in text:
             text = text[:text.index(start)] + block + text[text.index(end) + len(end):]

@@ -5,10 +5,12 @@ weight is read once per token and does two floating-point operations: far
 too little arithmetic to hide the memory traffic. A decode step therefore
 takes at least (bytes of weights) / (memory bandwidth) seconds, and fewer
 bytes per weight lower that floor in proportion. How much of it a format
-gains in practice depends on its kernel: on the 2-core x86 machine of
-docs/benchmarks.md (section "weights"), SmolLM2 decodes at a quarter to a
-half of its floor's speed; in the runs recorded there fp16 and int8 were
-2.3-2.6x faster than float32 and bf16 1.5-1.9x.
+gains in practice depends on its kernel, and the kernel on the CPU: the
+same PyTorch picks different code on an AVX2 machine and on one with
+AVX-512 (and AMX), so a format's gain over float32 moves from machine to
+machine. docs/benchmarks.md (section "weights") records each format's
+tokens/s, its share of the floor and the CPU it ran on; run
+``python -m toyllm bench --only weights`` for this machine's figures.
 
 Formats (``WEIGHT_FORMATS``), all for the matrices of ``nn.Linear`` layers:
 
