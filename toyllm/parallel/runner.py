@@ -505,22 +505,28 @@ def torchrun_main(spec: ModelSpec, ids, method, chunks, *, overlap=True, link=No
         dist.destroy_process_group()
 
 
-def demo_prefill(context: int = 2048, spec: ModelSpec | None = None) -> None:
-    """The demo's last part: one process vs TSP vs KVR on 2 processes, same first token."""
+def demo_prefill(context: int = 2048, spec: ModelSpec | None = None, rounds: int = 3) -> None:
+    """The demo's last part: one process vs TSP vs KVR on 2 processes, in turns for ``rounds`` rounds, with
+    each configuration's runs, its verdict against the one-process baseline and its first token."""
+    from ..measure import check_machine, compare_prefills
+
     spec = spec or ModelSpec("bench")
     ids = random_prompt(context, spec.config.vocab_size)
-    single = parallel_prefill(spec, ids, "single", 1, repeat=2)
-    with WorkerPool(2, threads_per_rank=1) as pool:
-        tsp = parallel_prefill(spec, ids, "tsp", 2, repeat=2, pool=pool)
-        kvr = parallel_prefill(spec, ids, "kvr", 2, repeat=2, pool=pool)
-        cut = int(context * 0.56)
-        kvr_s = parallel_prefill(spec, ids, "kvr", 2, [cut, context - cut], repeat=2, pool=pool)
-    print(f"bench preset, {context}-token prompt, dense attention, 1 thread per process "
-          "(every method projects only the last position to logits):")
-    for name, r in [("one process", single), ("TSP, even split", tsp), ("KVR, even split", kvr),
-                    (f"KVR, split {kvr_s.partition}", kvr_s)]:
-        diff = (r.logits - single.logits).abs().max().item()
-        print(f"  {name:<26} TTFT {r.ttft_s:6.3f} s   first token {r.first_token:3d}   max |logit diff| {diff:.1e}")
+    cut = int(context * 0.56)
+    machine = check_machine()
+    print(machine.line)
+    cmp = compare_prefills(spec, ids, {"TSP, even split": {"method": "tsp"}, "KVR, even split": {"method": "kvr"},
+                                       f"KVR, split [{cut}, {context - cut}]": {"method": "kvr",
+                                                                                "partition": [cut, context - cut]}},
+                           rounds=rounds, machine=machine)
+    print(f"bench preset, {context}-token prompt, dense attention, 2 processes with 1 thread each (every method "
+          "projects only the last position to logits)")
+    print("\n".join(cmp.lines()))
+    print(cmp.fastest_line())
+    base = cmp.results[cmp.baseline]
+    for name, r in cmp.results.items():
+        diff = (r.logits - base.logits).abs().max().item()
+        print(f"  {name:<26} first token {r.first_token:3d}   max |logit diff| against the baseline {diff:.1e}")
 
 
 def measured_cost(spec: ModelSpec | str, ids: list[int], pool: WorkerPool, method: str = "kvr",
