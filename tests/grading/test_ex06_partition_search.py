@@ -40,6 +40,20 @@ def check_chunks(got, context: int, p: int, call: str) -> None:
         raise AssertionError(f"{call}: {got} is not a partition of {context} tokens (every chunk >= 1, sum {context})")
 
 
+def grid_search_finds(ex06, optimum: list[int], context: int, stride: int, most: int, note: str = "", **kwargs):
+    """Run the student's grid search on a bowl lowest at ``optimum``: it must return exactly that partition,
+    asking for the cost of at most ``most`` partitions. Returns the cost and the partitions tried."""
+    p = len(optimum)
+    cost = functools.partial(harness.bowl_cost, optimum=optimum)
+    extra = "".join(f", {k}={v}" for k, v in kwargs.items())
+    call = f"grid_search(cost lowest at {optimum}, context={context}, world_size={p}, stride={stride}{extra}{note})"
+    got, tried = run_search(ex06.grid_search, cost, context, p, stride, **kwargs)
+    check_chunks(got, context, p, call)
+    equal(got, optimum, call)
+    assert len(tried) <= most, f"{call}: tried {len(tried)} partitions; the grid search needs at most {most} here"
+    return cost, tried, call
+
+
 # --------------------------------------------------------------------------- 6.1
 
 @pytest.mark.exercise("6.1")
@@ -107,12 +121,7 @@ def test_ex6_2_three_processes_known_and_drawn_best(ex06, drawn):
     moved = [b + o for b, o in zip(even_boundaries(context, 3), offsets)]
     drawn_optimum = [hi - lo for lo, hi in zip([0, *moved], [*moved, context])]
     for context, optimum, note in [(960, [390, 210, 360], ""), (context, drawn_optimum, f"; {drawn}")]:
-        cost = functools.partial(harness.bowl_cost, optimum=optimum)
-        call = f"grid_search(cost lowest at {optimum}, context={context}, world_size=3, stride=32{note})"
-        got, tried = run_search(ex06.grid_search, cost, context, 3, 32)
-        check_chunks(got, context, 3, call)
-        equal(got, optimum, call)
-        assert len(tried) <= 300, f"{call}: tried {len(tried)} partitions; the grid search needs at most 300 here"
+        _, tried, call = grid_search_finds(ex06, optimum, context, 32, most=300, note=note)
         even = [hi - lo for lo, hi in zip([0, *even_boundaries(context, 3)], [*even_boundaries(context, 3), context])]
         assert tuple(even) in tried, f"{call}: never evaluated the even split {even}, where the search starts"
 
@@ -120,22 +129,10 @@ def test_ex6_2_three_processes_known_and_drawn_best(ex06, drawn):
 @pytest.mark.exercise("6.2")
 @pytest.mark.points(1)
 def test_ex6_2_four_processes_and_span_one(ex06):
-    context, optimum = 1000, [300, 260, 240, 200]
-    cost = functools.partial(harness.bowl_cost, optimum=optimum)
-    call = f"grid_search(cost lowest at {optimum}, context={context}, world_size=4, stride=16)"
-    got, tried = run_search(ex06.grid_search, cost, context, 4, 16)
-    check_chunks(got, context, 4, call)
-    equal(got, optimum, call)
-    assert len(tried) <= 1500, f"{call}: tried {len(tried)} partitions; the grid search needs at most 1500 here"
+    grid_search_finds(ex06, [300, 260, 240, 200], 1000, 16, most=1500)
     # span=1: 3 values per boundary and level; the optimum's boundaries are -15 = -(8 + 4 + 2 + 1) and
     # +13 = 8 + 4 + 1 tokens from the even split's, so every level, the one at stride 1 too, has to move them
-    optimum = [235, 278, 237, 250]
-    cost = functools.partial(harness.bowl_cost, optimum=optimum)
-    call = f"grid_search(cost lowest at {optimum}, context={context}, world_size=4, stride=8, span=1)"
-    got, tried = run_search(ex06.grid_search, cost, context, 4, 8, span=1)
-    check_chunks(got, context, 4, call)
-    equal(got, optimum, call)
-    assert len(tried) <= 4 * 27, f"{call}: tried {len(tried)} partitions; 4 levels of 27 points is the most"
+    cost, _, _ = grid_search_finds(ex06, [235, 278, 237, 250], 1000, 8, most=4 * 27, span=1)   # 4 levels of 27
     raises(ValueError, ex06.grid_search, cost, 100, 1, 8, call="grid_search(cost, 100, world_size=1, stride=8)",
            why="a search needs at least 2 processes")
     raises(ValueError, ex06.grid_search, cost, 3, 4, 1, call="grid_search(cost, context=3, world_size=4, stride=1)",
