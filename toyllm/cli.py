@@ -169,11 +169,36 @@ def cmd_generate(args, prepared: tuple) -> int:
     return 0
 
 
+def demo_prefill(context: int = 2048, rounds: int = 3) -> None:
+    """The demo's last part: one process vs TSP vs KVR on 2 processes, in turns for ``rounds`` rounds, with
+    each configuration's runs, its verdict against the one-process baseline and its first token."""
+    from .measure import check_machine, compare_prefills
+    from .parallel import ModelSpec
+    from .utils import random_prompt
+
+    spec = ModelSpec("bench")
+    ids = random_prompt(context, spec.config.vocab_size)
+    cut = int(context * 0.56)
+    machine = check_machine()
+    print(machine.line)
+    cmp = compare_prefills(spec, ids, {"TSP, even split": {"method": "tsp"}, "KVR, even split": {"method": "kvr"},
+                                       f"KVR, split [{cut}, {context - cut}]": {"method": "kvr",
+                                                                                "partition": [cut, context - cut]}},
+                           rounds=rounds, machine=machine)
+    print(f"bench preset, {context}-token prompt, dense attention, 2 processes with 1 thread each (every method "
+          "projects only the last position to logits)")
+    print("\n".join(cmp.lines()))
+    print(cmp.fastest_line())
+    base = cmp.results[cmp.baseline]
+    for name, r in cmp.results.items():
+        diff = (r.logits - base.logits).abs().max().item()
+        print(f"  {name:<26} first token {r.first_token:3d}   max |logit diff| against the baseline {diff:.1e}")
+
+
 def cmd_demo(args, _prepared=None) -> int:
     from . import generate, load_model
     from .bench import ensure_resident_heap, naive_vs_cached
     from .bench_decode import demo_decode_speed
-    from .parallel import demo_prefill
 
     ensure_resident_heap(["demo", "--weights", args.weights])   # steadier timings (see toyllm/bench.py)
     print("== SmolLM2-135M-Instruct, read from its GGUF file, running in plain PyTorch ==")

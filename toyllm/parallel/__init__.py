@@ -25,12 +25,12 @@ Three layers, each readable on its own:
   runs, timelines, decoding afterwards, merging the results.
 """
 from .comm import AllGather, Chain, LinkModel
-from .runner import (METHODS, ModelSpec, PrefillResult, check_prefill_request, demo_prefill, measured_cost,
+from .runner import (METHODS, ModelSpec, PrefillResult, check_prefill_request, measured_cost,
                      parallel_prefill, prefill_rank, single_prefill, torchrun_main)
 from .steps import (TSP_BALANCES, RankPositions, default_step, kvr_layer, kvr_layer_blocking, tsp_layer,
                     tsp_trimmed_layer, tsp_zigzag_layer)
 
 __all__ = ["AllGather", "Chain", "LinkModel", "METHODS", "ModelSpec", "PrefillResult", "check_prefill_request",
-           "demo_prefill", "measured_cost", "parallel_prefill", "prefill_rank", "single_prefill", "torchrun_main",
+           "measured_cost", "parallel_prefill", "prefill_rank", "single_prefill", "torchrun_main",
            "TSP_BALANCES", "RankPositions", "default_step", "kvr_layer", "kvr_layer_blocking", "tsp_layer",
            "tsp_trimmed_layer", "tsp_zigzag_layer"]

@@ -32,7 +32,6 @@ from ..launch import RankContext, WorkerPool, init_from_env, run_parallel, to_cp
 from ..model import get_config
 from ..partition import even_partition, validate_partition
 from ..timeline import Timeline
-from ..utils import random_prompt
 from .comm import AllGather, Chain, LinkModel
 from .steps import TSP_BALANCES, RankPositions, default_step
 
@@ -503,30 +502,6 @@ def torchrun_main(spec: ModelSpec, ids, method, chunks, *, overlap=True, link=No
         return None
     finally:
         dist.destroy_process_group()
-
-
-def demo_prefill(context: int = 2048, spec: ModelSpec | None = None, rounds: int = 3) -> None:
-    """The demo's last part: one process vs TSP vs KVR on 2 processes, in turns for ``rounds`` rounds, with
-    each configuration's runs, its verdict against the one-process baseline and its first token."""
-    from ..measure import check_machine, compare_prefills
-
-    spec = spec or ModelSpec("bench")
-    ids = random_prompt(context, spec.config.vocab_size)
-    cut = int(context * 0.56)
-    machine = check_machine()
-    print(machine.line)
-    cmp = compare_prefills(spec, ids, {"TSP, even split": {"method": "tsp"}, "KVR, even split": {"method": "kvr"},
-                                       f"KVR, split [{cut}, {context - cut}]": {"method": "kvr",
-                                                                                "partition": [cut, context - cut]}},
-                           rounds=rounds, machine=machine)
-    print(f"bench preset, {context}-token prompt, dense attention, 2 processes with 1 thread each (every method "
-          "projects only the last position to logits)")
-    print("\n".join(cmp.lines()))
-    print(cmp.fastest_line())
-    base = cmp.results[cmp.baseline]
-    for name, r in cmp.results.items():
-        diff = (r.logits - base.logits).abs().max().item()
-        print(f"  {name:<26} first token {r.first_token:3d}   max |logit diff| against the baseline {diff:.1e}")
 
 
 def measured_cost(spec: ModelSpec | str, ids: list[int], pool: WorkerPool, method: str = "kvr",
