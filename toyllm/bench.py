@@ -420,14 +420,11 @@ def bench_attention(quick: bool = False, contexts: tuple[int, ...] | None = None
 def bench_weights(quick: bool = False) -> dict:
     """SmolLM2 decode tokens/s per weight format beside the memory-bandwidth floor (lesson 03's roofline)."""
     from .bench_decode import copy_bandwidth, smollm2_formats
-    from .measure import compare
 
     bandwidth = copy_bandwidth()
     data = smollm2_formats(new_tokens=16 if quick else 32, rounds=2 if quick else 5)
-    fp32 = data["rows"][0]
     for row in data["rows"]:
         row["floor_tokens_per_s"] = bandwidth / row["bytes_per_token"]
-        row["vs_fp32"] = compare(row["runs_s"], fp32["runs_s"])        # seconds per token, round by round
         _progress({k: v for k, v in row.items() if k in ("format", "tokens_per_s", "floor_tokens_per_s")})
     answering = [r for r in data["rows"] if r["paris"]]
     data["best"] = max(answering, key=lambda r: r["tokens_per_s"]) if answering else None

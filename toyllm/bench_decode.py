@@ -27,6 +27,7 @@ from .analysis import kv_cache_bytes
 from .cache import make_cache
 from .generation import generate
 from .model import ModelConfig
+from .measure import compare
 from .quant import WEIGHT_FORMATS, linear_weight_bytes
 from .utils import median_time
 
@@ -62,8 +63,10 @@ def smollm2_formats(formats=WEIGHT_FORMATS, new_tokens: int = 32, rounds: int = 
     Each round generates ``new_tokens`` greedy tokens after the chat prompt with
     every format in turn; a format's speed is 1 / (median seconds per token
     after the first), and its reported value is the median over rounds.
-    Also records whether each format's greedy answer (up to ``answer_tokens``,
-    stopping at end of turn) names Paris and equals float32's.
+    "vs_fp32": the format's verdict against the first format (float32),
+    from the rounds (``measure.compare``). Also records whether each
+    format's greedy answer (up to ``answer_tokens``, stopping at end of
+    turn) names Paris and equals float32's.
     attention: the model's attention kernel, the same for every format.
     """
     from .weights import load_model
@@ -83,16 +86,14 @@ def smollm2_formats(formats=WEIGHT_FORMATS, new_tokens: int = 32, rounds: int = 
         seconds = statistics.median(tpot[fmt])
         text = tokenizer.decode(answers[fmt], skip_special_tokens=True)
         rows.append({"format": fmt, "bytes_per_token": decode_bytes_per_token(m, context),
-                     "tokens_per_s": 1 / seconds, "runs_s": tpot[fmt], "answer": text,
-                     "paris": "Paris" in text, "same_as_fp32": answers[fmt] == answers[formats[0]]})
+                     "tokens_per_s": 1 / seconds, "runs_s": tpot[fmt], "vs_fp32": compare(tpot[fmt], tpot[formats[0]]),
+                     "answer": text, "paris": "Paris" in text, "same_as_fp32": answers[fmt] == answers[formats[0]]})
     return {"prompt_len": len(ids), "new_tokens": new_tokens, "rounds": rounds, "attention": attention, "rows": rows}
 
 
 def demo_decode_speed(formats=("fp32", "fp16", "bf16", "int8"), out=None) -> dict:
     """The demo's lines: SmolLM2 tokens/s in float32 and in the fastest format that still answers Paris."""
     out = out or sys.stdout
-    from .measure import compare
-
     data = smollm2_formats(formats, new_tokens=16, rounds=3)
     rows = {r["format"]: r for r in data["rows"]}
     ok = [r for r in data["rows"] if r["paris"]]
@@ -101,7 +102,7 @@ def demo_decode_speed(formats=("fp32", "fp16", "bf16", "int8"), out=None) -> dic
               f"token, answer {'names Paris' if r['paris'] else 'MISSES Paris'}", file=out)
     if ok and "fp32" in rows:
         best = max(ok, key=lambda r: r["tokens_per_s"])
-        verdict = compare(best["runs_s"], rows["fp32"]["runs_s"])          # seconds per token, round by round
+        verdict = best["vs_fp32"]
         print(f"{'fastest' if verdict.word == 'faster' else 'lowest median'} of the formats that still answer "
               f"Paris: {best['format']}; per token, {verdict.sentence(best['format'], 'fp32')}", file=out)
     return data

@@ -42,6 +42,12 @@ def format_seconds(s: float, extra_digits: int = 0) -> str:
     return f"{s * 1e3:.{1 + extra_digits}f} ms" if s < 1 else f"{s:.{3 + extra_digits}f} s"
 
 
+def _as_printed(s: float, extra_digits: int) -> float:
+    """``s`` seconds rounded as ``format_seconds`` prints it."""
+    number, unit = format_seconds(s, extra_digits).split()
+    return float(number) * (1e-3 if unit == "ms" else 1.0)
+
+
 @dataclass(frozen=True)
 class Spread:
     """The runs of one measurement (seconds): their median and their range."""
@@ -123,13 +129,9 @@ class Verdict:
         if not self.decided:
             return 0
         slow, fast = (self.ours, self.base) if self.word == "slower" else (self.base, self.ours)
-        for extra in range(4):
-            def shown(t: float) -> float:
-                number, unit = format_seconds(t, extra).split()
-                return float(number) * (1e-3 if unit == "ms" else 1.0)
-            if shown(fast.high) < shown(slow.low) and shown(fast.median) < shown(slow.median):
-                return extra
-        return 4
+        return next((extra for extra in range(4)
+                     if _as_printed(fast.high, extra) < _as_printed(slow.low, extra)
+                     and _as_printed(fast.median, extra) < _as_printed(slow.median, extra)), 4)
 
     def sentence(self, ours: str, base: str) -> str:
         """One line with both medians, the ranges of their runs and the decision.

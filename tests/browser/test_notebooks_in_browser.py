@@ -142,7 +142,8 @@ def open_notebook(driver, lab, name: str) -> None:
     """Open ``name`` in a workspace of its own (no other tab open) and wait until its kernel is idle."""
     from selenium.webdriver.common.by import By
 
-    driver.get(lab.url(f"lab/workspaces/{Path(name).stem}/tree/{name}"))
+    route = ("lab", "workspaces", Path(name).stem, "tree", name)   # JupyterLab: a named workspace, this file open
+    driver.get(lab.url("/".join(route)))
 
     def ready():
         kernels = [s["kernel"] for s in lab.api("sessions") or [] if s["path"] == name and s.get("kernel")]
