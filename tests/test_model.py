@@ -72,10 +72,12 @@ def test_gqa_equals_mha_with_shared_kv_heads():
     state = gqa.state_dict()
     D = gqa.config.head_dim
     for i in range(gqa.config.n_layers):
+        prefix = f"layers.{i}.attn."
+        parts = dict(zip(("wq", "wk", "wv"), state.pop(prefix + "wqkv.weight").split(gqa.layers[i].attn.qkv_sizes)))
         for w in ("wk", "wv"):
-            key = f"layers.{i}.attn.{w}.weight"
-            heads = state[key].view(2, D, -1)                                     # (Hkv, D, d_model)
-            state[key] = heads.repeat_interleave(2, dim=0).reshape(4 * D, -1)   # each kv head serves 2 q heads
+            heads = parts[w].view(2, D, -1)                                       # (Hkv, D, d_model)
+            parts[w] = heads.repeat_interleave(2, dim=0).reshape(4 * D, -1)     # each kv head serves 2 q heads
+        state.update({prefix + f"{w}.weight": t for w, t in parts.items()})     # loaded into mha's wqkv
     mha.load_state_dict(state)
     ids = torch.randint(0, 256, (1, 30))
     assert torch.allclose(gqa(ids), mha(ids), atol=ATOL)
@@ -107,3 +109,25 @@ def test_positions_past_max_context_are_rejected():
 def test_token_ids_out_of_range_are_rejected():
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 256\)"):
         build_model("tiny")(torch.tensor([[1, 300]]))
+
+
+def test_separate_q_k_v_and_gate_up_weights_load_into_the_fused_matrices():
+    """GGUF files store wq, wk, wv, w_gate and w_up apart; the model stacks each group's rows in one matrix."""
+    model = build_model("tiny", seed=3)
+    state = model.state_dict()
+    split = {}
+    for key, value in state.items():
+        if key.endswith("attn.wqkv.weight"):
+            q, k, v = value.split(model.layers[0].attn.qkv_sizes)
+            split.update({key.replace("wqkv", name): t.clone() for name, t in zip(("wq", "wk", "wv"), (q, k, v))})
+        elif key.endswith("mlp.w_gate_up.weight"):
+            gate, up = value.chunk(2)
+            split.update({key.replace("w_gate_up", "w_gate"): gate.clone(), key.replace("w_gate_up", "w_up"): up.clone()})
+        else:
+            split[key] = value.clone()
+    assert "layers.1.attn.wk.weight" in split and "layers.1.attn.wqkv.weight" not in split
+    other = build_model("tiny", seed=4)
+    other.load_state_dict(split, strict=True)
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    with torch.no_grad():
+        assert torch.equal(other(ids), model(ids))

@@ -74,7 +74,7 @@ def test_loaded_model_owns_tied_weights(smol):
     assert sum(p.numel() for p in model.parameters()) == model.config.n_params == 134_515_008
     other, _ = load_model("smollm2-135m")
     assert other is not model and other.tok_emb.weight.data_ptr() != model.tok_emb.weight.data_ptr()
-    assert torch.equal(other.layers[3].attn.wq.weight, model.layers[3].attn.wq.weight)
+    assert torch.equal(other.layers[3].attn.wqkv.weight, model.layers[3].attn.wqkv.weight)
 
 
 def test_logits_finite(smol):

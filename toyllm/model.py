@@ -126,21 +126,37 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.view_as_real(pairs * torch.complex(cos, sin)).flatten(-2)  # (B, H, T, D)
 
 
+def _fuse_on_load(parts: tuple[str, ...], fused: str):
+    """A load_state_dict pre-hook: weights stored apart (``parts``, as in GGUF files) load into one matrix.
+
+    The fused matrix stacks the parts' rows in order, so a checkpoint with
+    separate q, k and v (or gate and up) matrices loads unchanged.
+    """
+    def hook(module, state_dict, prefix, *args):
+        keys = [f"{prefix}{name}.weight" for name in parts]
+        if all(k in state_dict for k in keys):
+            state_dict[f"{prefix}{fused}.weight"] = torch.cat([state_dict.pop(k) for k in keys])
+    return hook
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.qkv_sizes = [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim]
+        # q, k and v in one matrix (rows: wq, then wk, then wv), as in gpt-fast: one product reads all
+        # three, where a decode step pays a fixed cost per operator call on top of the bytes it reads.
+        self.wqkv = nn.Linear(cfg.d_model, sum(self.qkv_sizes), bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.register_load_state_dict_pre_hook(_fuse_on_load(("wq", "wk", "wv"), "wqkv"))
 
     def qkv(self, x, cos, sin):
         """Project x (B, T, d_model) to roped q (B, H, T, D) and k, v (B, Hkv, T, D)."""
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.wqkv(x).split(self.qkv_sizes, dim=-1)            # (B, T, H*D), (B, T, Hkv*D) x 2
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attend(self, q, k, v, q_pos, k_pos, attention: AttentionFn):
@@ -160,16 +176,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), with gate and up stacked in one matrix."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.w_gate = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
-        self.w_up = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.w_gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_dim, bias=False)   # rows: gate, then up
         self.w_down = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+        self.register_load_state_dict_pre_hook(_fuse_on_load(("w_gate", "w_up"), "w_gate_up"))
 
     def forward(self, x):
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)                    # (B, T, ffn_dim) each
+        return self.w_down(F.silu(gate) * up)
 
 
 class Block(nn.Module):
