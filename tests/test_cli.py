@@ -70,7 +70,7 @@ def test_search_builds_a_table_that_prefill_uses(capsys, tmp_path):
     assert [r["context"] for r in out] == [256, 512] and all(r["simulated"] for r in out)
     assert all(r["partition"][0] > r["partition"][1] for r in out)   # KVR gives the first rank more tokens
     loaded = PartitionTable.load(table)
-    assert loaded.contexts == [256, 512]
+    assert loaded.contexts == [256, 512] and "--cost simulated" in loaded.about and "logical CPUs" in loaded.about
     pre = run_json(capsys, ["prefill", "--model", "tiny", "--context", "384", "--method", "kvr", "--world-size", "2",
                             "--partition-table", str(table), "--repeat", "1", "--json"])
     assert pre["partition"] == loaded.predict(384)
@@ -114,3 +114,30 @@ def test_serve_prints_a_table_with_one_row_per_policy(capsys):
                  "--policy", "chunked"]) == 0
     out = capsys.readouterr().out
     assert "TTFT p50" in out and out.strip().splitlines()[-1].startswith("chunked")
+
+
+def test_prefill_kvr_uses_the_shipped_smollm2_table_unless_told_otherwise(tmp_path):
+    from toyllm.cli import build_parser, check_prefill
+    from toyllm.partition import shipped_table, shipped_table_path
+
+    table = shipped_table("smollm2-135m", "causal", 2)
+    assert table is not None and table.world_size == 2 and len(table.contexts) >= 3
+
+    def plan(*flags):
+        return check_prefill(build_parser().parse_args(["prefill", "--model", "smollm2-135m", "--context", "3000",
+                                                        *flags]))
+
+    shipped = plan("--attention", "causal")
+    assert shipped["partition"] == table.predict(3000) and shipped["chunks"] == table.predict(3000)
+    assert shipped_table_path("smollm2-135m", "causal", 2).name in shipped["partition_from"]
+    # another kernel, another method, or a partition of your own: the shipped table is not used
+    assert plan()["partition"] is None and plan()["partition_from"] is None           # dense: no table shipped
+    assert plan("--attention", "causal", "--method", "tsp")["partition_from"] is None
+    mine = plan("--attention", "causal", "--partition", "2000,1000")
+    assert mine["chunks"] == [2000, 1000] and mine["partition_from"] == "--partition"
+    own = tmp_path / "own.json"
+    own_table = PartitionTable(2)
+    own_table.add(3000, [1500, 1500])
+    own_table.save(own)
+    theirs = plan("--attention", "causal", "--partition-table", str(own))
+    assert theirs["chunks"] == [1500, 1500] and str(own) in theirs["partition_from"]

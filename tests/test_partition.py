@@ -351,3 +351,28 @@ def test_search_partition_picks_the_search_by_world_size():
     assert three.cost_s <= cost([20, 20, 20]) and sum(three.partition) == 60
     with pytest.raises(ValueError, match="at least 2 processes"):
         search_partition(cost, 60, 1)
+
+
+def test_the_shipped_tables_are_valid_and_give_the_first_rank_more():
+    """Each table in toyllm/tables was searched on measured runs; KV-Runahead's first rank always runs ahead."""
+    from toyllm.model import PRESETS
+    from toyllm.partition import SHIPPED_TABLES, shipped_table
+
+    files = sorted(SHIPPED_TABLES.glob("*.json"))
+    assert files, f"no table shipped in {SHIPPED_TABLES}"
+    for path in files:
+        model, attention, procs = path.stem.rsplit("-", 2)
+        table = shipped_table(model, attention, int(procs.removeprefix("p")))
+        assert model in PRESETS and table is not None and table.world_size == int(procs[1:]), path.name
+        for C in table.contexts:
+            assert sum(table.chunks(C)) == C and table.chunks(C)[0] > C / table.world_size, (path.name, C)
+    assert shipped_table("tiny", "dense", 2) is None
+
+
+def test_a_table_keeps_how_it_was_found(tmp_path):
+    table = PartitionTable(2, about="searched by hand")
+    table.add(100, [60, 40])
+    table.save(tmp_path / "t.json")
+    loaded = PartitionTable.load(tmp_path / "t.json")
+    assert loaded.about == "searched by hand" and loaded.chunks(100) == [60, 40]
+    assert "about" not in PartitionTable(2).to_dict()

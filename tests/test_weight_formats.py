@@ -177,16 +177,18 @@ def test_the_weights_and_batched_sections_render_their_verdicts_from_the_numbers
     from toyllm.measure import compare
 
     fp32_runs = [0.099, 0.101]                   # seconds per token, round by round
-    rows = [{"format": f, "bytes_per_token": b, "tokens_per_s": t, "floor_tokens_per_s": 1e9 / b, "runs_s": r,
+    rows = [{"format": f, "kernel": "k", "bytes_per_token": b, "tokens_per_s": t, "floor_tokens_per_s": 1e9 / b, "runs_s": r,
              "vs_fp32": compare(r, fp32_runs), "paris": p, "same_as_fp32": p}
             for f, b, t, r, p in [("fp32", 5.4e8, 10.0, fp32_runs, True), ("bf16", 2.7e8, 15.0, [0.0658, 0.0671], True),
                                   ("int8", 1.4e8, 30.0, [0.033, 0.0337], False)]]
     weights = {"bandwidth_bytes_per_s": 1e9, "threads": 2, "prompt_len": 37, "new_tokens": 16, "rounds": 2,
-               "attention": "dense", "rows": rows, "best": rows[1]}
+               "attention": "dense", "rows": rows, "best": rows[1], "at_floor": ["fp32", "bf16", "int8"],
+               "capability": "AVX512"}
     text = render_section("weights", weights)
-    assert "| bf16 | 270 | 3.7 | 15.0 [14.9-15.2] | 405% | 1.50x faster | yes | yes |" in text
-    assert "| int8 | 140 | 7.1 | 30.0 [29.7-30.3] | 420% | 3.00x faster | no | no |" in text
+    assert "| bf16 | k | 270 | 3.7 | 15.0 [14.9-15.2] | 405% | 1.50x faster | yes | yes |" in text
+    assert "| int8 | k | 140 | 7.1 | 30.0 [29.7-30.3] | 420% | 3.00x faster | no | no |" in text
     assert 'still answers "Paris" is bf16: 15.0 tokens/s, 1.50x faster than float32' in text
+    assert "At or above the floor: fp32, bf16, int8" in text and "No format reaches" not in text
     assert "No format answered" in render_section("weights", {**weights, "best": None})
     batched = {"prompts": 10, "prompt_len": 50, "new_tokens": 100, "config": BLOG_TOY.to_dict(), "threads": 2,
                "naive_s": 3.0, "cached_s": 0.25, "speedup": 12.0, "identical": True}

@@ -8,6 +8,7 @@ between numbers measured in the same run. Nothing here is asserted by tests.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import platform
 import stat
@@ -281,6 +282,40 @@ def bench_search(quick: bool = False) -> dict:
             "gpu_label": a100_like(LLAMA_7B).label, "scaling": scaling}
 
 
+def bench_table(quick: bool = False) -> dict:
+    """The shipped SmolLM2 table (``toyllm/tables``): KVR-P at a length it does not hold vs KVR-S searched there.
+
+    KVR-S is searched on measured runs at the target length; then KVR-P (the
+    table's interpolation), KVR-S and the even split take turns round by
+    round. Two processes with one thread each, causal-aware attention.
+    """
+    from .measure import compare, interleaved_runs
+    from .partition import even_partition, search_boundary_1d, shipped_table, shipped_table_path
+
+    model, attention = "smollm2-135m", "causal"
+    table = shipped_table(model, attention, 2)
+    if table is None:
+        raise ValueError(f"no table shipped at {shipped_table_path(model, attention, 2)}")
+    spec = ModelSpec(model, attention=attention)
+    repeats, warm, rounds = (1, 1, 2) if quick else (2, 1, 5)
+    keys = table.contexts
+    target = (keys[0] + keys[1]) // 2 if quick else (keys[-2] + keys[-1]) // 2     # between two entries
+    ids = random_prompt(target, get_config(model).vocab_size)
+    predicted, even = table.predict(target), even_partition(target, 2)
+    with _fresh_pool(spec, ids) as pool:
+        measure = measured_cost(spec, ids, pool, repeat=repeats, warmup=warm)
+        found = search_boundary_1d(measure, target, min_stride=max(1, target // 64), progress=True)
+        runs = interleaved_runs({"p": lambda: measure(predicted), "s": lambda: measure(found.partition),
+                                 "e": lambda: measure(even)}, rounds, warmup=0)
+    p_vs_s = compare(runs["p"], runs["s"])
+    t_p, t_s = p_vs_s.ours.median, p_vs_s.base.median
+    return {"file": shipped_table_path(model, attention, 2).name, "entries": table.to_dict()["entries"],
+            "about": json.loads(shipped_table_path(model, attention, 2).read_text()).get("about", ""),
+            "target": target, "predicted": predicted, "kvr_s": found.partition, "evaluations": found.evaluations,
+            "even": even, "repeats": repeats, "rounds": rounds, "p_vs_s": p_vs_s,
+            "e_vs_s": compare(runs["e"], runs["s"]), "gap": (t_p - t_s) / t_s}
+
+
 def _kvr_sweep(spec, ids, shares, warm: int, settle: int) -> list[int]:
     """KVR-S for p = 2: the first-rank share of ``shares`` whose single timed run was fastest, as chunks."""
     from .partition import partition_from_ratios
@@ -426,6 +461,8 @@ def bench_weights(quick: bool = False) -> dict:
     for row in data["rows"]:
         row["floor_tokens_per_s"] = bandwidth / row["bytes_per_token"]
         _progress({k: v for k, v in row.items() if k in ("format", "tokens_per_s", "floor_tokens_per_s")})
+    data["at_floor"] = [r["format"] for r in data["rows"] if r["tokens_per_s"] >= r["floor_tokens_per_s"]]
+    data["capability"] = torch.backends.cpu.get_cpu_capability()
     answering = [r for r in data["rows"] if r["paris"]]
     data["best"] = max(answering, key=lambda r: r["tokens_per_s"]) if answering else None
     return {"bandwidth_bytes_per_s": bandwidth, "threads": torch.get_num_threads(), **data}
@@ -525,7 +562,7 @@ def bench_serving(quick: bool = False) -> dict:
 
 
 SECTIONS = {"generation": bench_generation, "first_token": bench_first_token, "prefill": bench_prefill,
-            "search": bench_search, "kernels": bench_kernels, "attention": bench_attention, "weights": bench_weights,
+            "search": bench_search, "table": bench_table, "kernels": bench_kernels, "attention": bench_attention, "weights": bench_weights,
             "batched": bench_batched, "decode_step": bench_decode_step, "serving": bench_serving}
 
 

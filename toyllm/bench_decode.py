@@ -28,7 +28,7 @@ from .cache import make_cache
 from .generation import generate
 from .model import ModelConfig
 from .measure import compare
-from .quant import WEIGHT_FORMATS, linear_weight_bytes
+from .quant import WEIGHT_FORMATS, linear_kernel, linear_weight_bytes
 from .utils import median_time
 
 # The toy of the KV-cache blog post: vocabulary 100, width 32, one attention layer with
@@ -63,6 +63,7 @@ def smollm2_formats(formats=WEIGHT_FORMATS, new_tokens: int = 32, rounds: int = 
     Each round generates ``new_tokens`` greedy tokens after the chat prompt with
     every format in turn; a format's speed is 1 / (median seconds per token
     after the first), and its reported value is the median over rounds.
+    "kernel": what the layers' weight products run on (``quant.linear_kernel``).
     "vs_fp32": the format's verdict against the first format (float32),
     from the rounds (``measure.compare``). Also records whether each
     format's greedy answer (up to ``answer_tokens``, stopping at end of
@@ -85,7 +86,7 @@ def smollm2_formats(formats=WEIGHT_FORMATS, new_tokens: int = 32, rounds: int = 
     for fmt, m in models.items():
         seconds = statistics.median(tpot[fmt])
         text = tokenizer.decode(answers[fmt], skip_special_tokens=True)
-        rows.append({"format": fmt, "bytes_per_token": decode_bytes_per_token(m, context),
+        rows.append({"format": fmt, "kernel": linear_kernel(m), "bytes_per_token": decode_bytes_per_token(m, context),
                      "tokens_per_s": 1 / seconds, "runs_s": tpot[fmt], "vs_fp32": compare(tpot[fmt], tpot[formats[0]]),
                      "answer": text, "paris": "Paris" in text, "same_as_fp32": answers[fmt] == answers[formats[0]]})
     return {"prompt_len": len(ids), "new_tokens": new_tokens, "rounds": rounds, "attention": attention, "rows": rows}

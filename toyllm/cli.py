@@ -16,6 +16,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import torch
 
@@ -277,7 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--balance", choices=list(TSP_BALANCES), default="none",
                    help="TSP: attend over all keys (none), only visible ones (trim), or zigzag layout")
     f.add_argument("--partition", type=_int_list, default=None, help="tokens per rank, e.g. 5000,3192")
-    f.add_argument("--partition-table", default=None, help="JSON table of searched partitions (KVR-P)")
+    f.add_argument("--partition-table", default=None,
+                   help="JSON table of searched partitions (KVR-P); default for --method kvr: the table shipped "
+                        "for this model, kernel and number of processes, if there is one")
     f.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="KVR: overlap communication with compute (isend/irecv)")
     f.add_argument("--repeat", type=int, default=3, help="timed runs after one warm-up, in the same processes")
@@ -358,7 +361,7 @@ def check_prefill(args) -> dict:
     """
     from .launch import _resolve_backend, launched_by_torchrun
     from .parallel import LinkModel, ModelSpec, check_prefill_request
-    from .partition import PartitionTable
+    from .partition import PartitionTable, shipped_table, shipped_table_path
 
     torchrun, single = launched_by_torchrun(), args.method == "single"
     cfg = get_config(args.model)
@@ -403,12 +406,19 @@ def check_prefill(args) -> dict:
         local_ranks = (int(os.environ.get("LOCAL_WORLD_SIZE", int(os.environ["LOCAL_RANK"]) + 1)) if torchrun
                        else p)
         _check_request(f"--backend {args.backend}", _resolve_backend, args.backend, local_ranks)
-    partition = args.partition
+    partition, partition_from = args.partition, "--partition" if args.partition else None
     if args.partition_table:
         table = _from_file(PartitionTable.from_dict, args.partition_table, "--partition-table")
         _check(table.world_size == p, f"--partition-table {args.partition_table} is for {table.world_size} "
                                       f"processes, not {p}")
         partition = _check_request(f"--partition-table {args.partition_table}", table.predict, args.context)
+        partition_from = f"--partition-table {args.partition_table}"
+    elif partition is None and args.method == "kvr" and args.balance == "none":
+        table = shipped_table(args.model, args.attention, p)      # searched on real runs, shipped with toyllm
+        if table is not None:
+            partition = table.predict(args.context)
+            partition_from = (f"the shipped table {shipped_table_path(args.model, args.attention, p).name} "
+                              f"(contexts {table.contexts}; --partition or --partition-table to choose your own)")
     spec = ModelSpec(args.model, attention=args.attention)
     ids = random_prompt(args.context, cfg.vocab_size, args.seed)
     flags = [f"--model {args.model}", f"--context {args.context}", f"--method {args.method}"]
@@ -422,7 +432,8 @@ def check_prefill(args) -> dict:
         _check_process_limit(p, args.force)
     link = (LinkModel(args.bandwidth, args.latency, (0, 1) if args.noise else None, args.noise)
             if args.bandwidth is not None else None)
-    return dict(spec=spec, ids=ids, world_size=p, partition=partition, chunks=chunks, link=link, torchrun=torchrun)
+    return dict(spec=spec, ids=ids, world_size=p, partition=partition, partition_from=partition_from, chunks=chunks,
+                link=link, torchrun=torchrun)
 
 
 def cmd_prefill(args, plan: dict) -> int:
@@ -445,11 +456,13 @@ def cmd_prefill(args, plan: dict) -> int:
         ref, _ = single_prefill(spec.build(), ids)
         result.max_abs_logit_diff = (result.logits - ref).abs().max().item()
     if args.json:
-        print(json.dumps(result.to_json()))
+        print(json.dumps({**result.to_json(), "partition_from": plan["partition_from"]}))
         return 0
     sim = " (simulated link: %g GB/s)" % args.bandwidth if link else ""
     print(f"{result.method} prefill of {result.context} tokens on {result.world_size} process(es), partition "
           f"{result.partition}, {result.threads_per_rank} thread(s) each{sim}")
+    if plan["partition_from"] not in (None, "--partition"):
+        print(f"partition from {plan['partition_from']}")
     print(f"TTFT median {result.ttft_s:.4f} s over {len(result.ttft_runs)} run(s); first token {result.first_token}")
     if result.decoded:
         print(f"decoded after prefill: {result.decoded}")
@@ -536,6 +549,14 @@ def cmd_search(args, plan: dict) -> int:
         if pool is not None:
             pool.close()
     if table is not None:
+        from .bench import cpu_name
+
+        command = (f"python -m toyllm search --model {args.model} --context {','.join(map(str, args.context))} "
+                   f"--world-size {p} --attention {spec.attention} --cost {args.cost}")
+        runs = ("simulated cost" if pool is None
+                else f"{p} processes with 1 thread each, median of {args.repeat or 2} runs per partition")
+        table.about = (f"Searched with `{command}` on {time.strftime('%Y-%m-%d')}: {runs}; {cpu_name()}, "
+                       f"{os.cpu_count()} logical CPUs, torch {torch.__version__}.")
         table.save(args.table)
     if args.json:
         print(json.dumps(results[0] if len(results) == 1 else results))

@@ -450,11 +450,12 @@ class PartitionTable:
     the table's range (clamped, never extrapolated).
     """
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, about: str = ""):
         p = _check_int(world_size, "world size")
         if p < 1:
             raise ValueError(f"world size must be at least 1 process, got {p}")
         self.world_size = p
+        self.about = about          # how the entries were found: command, date, machine (kept in the file)
         self._entries: dict[int, list[int]] = {}
 
     def __len__(self) -> int:
@@ -506,7 +507,7 @@ class PartitionTable:
         return partition_from_ratios(C, self.predict_ratios(C))
 
     def to_dict(self) -> dict:
-        return {"world_size": self.world_size,
+        return {"world_size": self.world_size, **({"about": self.about} if self.about else {}),
                 "entries": [{"context": C, "chunks": self.chunks(C), "ratios": self.ratios(C)}
                             for C in self.contexts]}
 
@@ -514,7 +515,7 @@ class PartitionTable:
     def from_dict(cls, d: dict) -> "PartitionTable":
         if not isinstance(d, dict) or "world_size" not in d or "entries" not in d:
             raise ValueError("a partition table dict needs 'world_size' and 'entries'")
-        table = cls(d["world_size"])
+        table = cls(d["world_size"], about=str(d.get("about", "")))
         for e in d["entries"]:
             table.add(e["context"], e["chunks"])
         return table
@@ -528,6 +529,22 @@ class PartitionTable:
 
     def __repr__(self) -> str:
         return f"PartitionTable(world_size={self.world_size}, contexts={self.contexts})"
+
+
+# Tables searched with measured runs and shipped with the package, one file per model, kernel and number of
+# processes; `python -m toyllm prefill --method kvr` uses the matching one when no partition is given.
+SHIPPED_TABLES = Path(__file__).resolve().parent / "tables"
+
+
+def shipped_table_path(model: str, attention: str, world_size: int) -> Path:
+    """Where the shipped table for this model preset, attention kernel and number of processes would be."""
+    return SHIPPED_TABLES / f"{model}-{attention}-p{world_size}.json"
+
+
+def shipped_table(model: str, attention: str, world_size: int) -> PartitionTable | None:
+    """The shipped table for this model, kernel and number of processes, or None if none was searched."""
+    path = shipped_table_path(model, attention, world_size)
+    return PartitionTable.load(path) if path.is_file() else None
 
 
 @shortcut("6.1", "6.2")

@@ -227,6 +227,11 @@ def weight_format(model: nn.Module) -> str:
     return getattr(model, "weight_format", "fp32")
 
 
+def linear_kernel(model: nn.Module) -> str:
+    """The kernel the layers' weight products run on ("F.linear" for float32 weights, else the format's)."""
+    return next((m.kernel for m in model.modules() if isinstance(m, _ConvertedLinear)), "F.linear")
+
+
 def linear_weight_bytes(model: nn.Module) -> int:
     """Bytes of the linear layers' weights (and scales): what one decode step must read, besides the KV cache."""
     total = 0
