@@ -59,6 +59,27 @@ def test_first_token_section_renders():
     assert "last only 2.000 s [1.900-2.100 s] vs all positions 3.000 s [2.900-3.100 s]: last only is 1.50x faster" in text
 
 
+def test_table_section_says_whether_kvr_p_is_within_two_percent_of_kvr_s():
+    from toyllm.measure import compare
+
+    entries = [{"context": 1024, "chunks": [560, 464], "ratios": [0.546875, 0.453125]},
+               {"context": 2048, "chunks": [1176, 872], "ratios": [0.57421875, 0.42578125]}]
+    s_runs = [3.00, 3.02, 3.05]
+
+    def data(p_runs):
+        p_vs_s = compare(p_runs, s_runs)
+        return {"file": "smollm2-135m-causal-p2.json", "entries": entries, "about": "Searched with `x`.",
+                "target": 1536, "predicted": [860, 676], "kvr_s": [868, 668], "evaluations": 12, "even": [768, 768],
+                "repeats": 2, "rounds": 3, "p_vs_s": p_vs_s, "e_vs_s": compare([3.3, 3.31, 3.35], s_runs),
+                "gap": (p_vs_s.ours.median - p_vs_s.base.median) / p_vs_s.base.median}
+
+    text = render_section("table", data([3.01, 3.03, 3.04]))
+    assert "| 2048 | [1176, 872] | 0.574 |" in text and "Searched with `x`." in text
+    assert "+0.3% from KVR-S's: within the 2% the target allows" in text
+    text = render_section("table", data([3.20, 3.21, 3.22]))
+    assert "+6.3% from KVR-S's: more than the 2% the target allows" in text
+
+
 def test_every_section_has_a_template():
     from toyllm.bench import _template
 
@@ -167,9 +188,15 @@ def test_generation_and_weight_cells_show_their_rounds_and_decide_from_them():
 
     rows = [gen_row("tiny", [1.4, 1.5, 1.6], [0.30, 0.31, 0.32]), gen_row("bench", [11.0, 11.3, 11.5], [1.3, 1.31, 1.4])]
     smol = {"prompt_len": 38, "new_tokens": 64, "ttft_s": 0.1, "tpot_s": 0.05}
+    target = {**gen_row("bench", [2.0, 2.01, 2.05], [0.205, 0.21, 0.22]), "prompt_len": 64, "new_tokens": 256}
     text = render_section("generation", {"prompt_len": 64, "new_tokens": 512, "threads": 2, "repeats": 3,
-                                         "rows": rows, "best": rows[1], "smol": smol})
+                                         "rows": rows, "best": rows[1], "target": target, "smol": smol})
     assert "| tiny | 1.500 [1.400-1.600] | 0.310 [0.300-0.320] | 4.84x faster | True |" in text
+    assert "256 new tokens after a 64-token prompt" in text and "9.57x, does not meet the 10x target" in text
+    target = {**target, **gen_row("bench", [2.2, 2.21, 2.25], [0.205, 0.21, 0.22])}
+    assert "10.52x, meets the 10x target" in render_section("generation", {
+        "prompt_len": 64, "new_tokens": 512, "threads": 2, "repeats": 3, "rows": rows, "best": rows[1],
+        "target": target, "smol": smol})
 
     def fmt_row(fmt, runs_s, fp32_runs):
         return {"format": fmt, "kernel": "fbgemm" if fmt == "fp16" else "k", "bytes_per_token": 271e6, "floor_tokens_per_s": 87.3, "tokens_per_s": 1 / spread(runs_s).median,

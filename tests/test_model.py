@@ -131,3 +131,14 @@ def test_separate_q_k_v_and_gate_up_weights_load_into_the_fused_matrices():
     ids = torch.tensor([[1, 5, 9, 2, 7]])
     with torch.no_grad():
         assert torch.equal(other(ids), model(ids))
+
+
+def test_rms_norm_is_the_formula():
+    from toyllm.model import RMSNorm
+
+    norm = RMSNorm(96, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96))
+    x = torch.randn(2, 7, 96) * 3
+    expected = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight
+    torch.testing.assert_close(norm(x), expected, rtol=1e-6, atol=1e-6)
