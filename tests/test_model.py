@@ -142,3 +142,15 @@ def test_rms_norm_is_the_formula():
     x = torch.randn(2, 7, 96) * 3
     expected = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight
     torch.testing.assert_close(norm(x), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_model_pickles():
+    """The grader and the worker processes ship models by pickle; the load hooks must not get in the way."""
+    import pickle
+
+    model = build_model("tiny", seed=5)
+    copy = pickle.loads(pickle.dumps(model))
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        assert torch.equal(copy(ids), model(ids))
+    copy.load_state_dict(model.state_dict())          # the hooks still work after the round trip
