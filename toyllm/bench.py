@@ -8,7 +8,6 @@ between numbers measured in the same run. Nothing here is asserted by tests.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import platform
 import stat
@@ -296,9 +295,9 @@ def bench_table(quick: bool = False) -> dict:
     from .partition import even_partition, search_boundary_1d, shipped_table, shipped_table_path
 
     model, attention = "smollm2-135m", "causal"
-    table = shipped_table(model, attention, 2)
+    path, table = shipped_table_path(model, attention, 2), shipped_table(model, attention, 2)
     if table is None:
-        raise ValueError(f"no table shipped at {shipped_table_path(model, attention, 2)}")
+        raise ValueError(f"no table shipped at {path}")
     spec = ModelSpec(model, attention=attention)
     repeats, warm, rounds = (1, 1, 2) if quick else (2, 1, 5)
     keys = table.contexts
@@ -312,9 +311,7 @@ def bench_table(quick: bool = False) -> dict:
                                  "e": lambda: measure(even)}, rounds, warmup=0)
     p_vs_s = compare(runs["p"], runs["s"])
     t_p, t_s = p_vs_s.ours.median, p_vs_s.base.median
-    return {"file": shipped_table_path(model, attention, 2).name, "entries": table.to_dict()["entries"],
-            "about": json.loads(shipped_table_path(model, attention, 2).read_text()).get("about", ""),
-            "target": target, "predicted": predicted, "kvr_s": found.partition, "evaluations": found.evaluations,
+    return {"file": path.name, "entries": table.to_dict()["entries"], "about": table.about, "target": target, "predicted": predicted, "kvr_s": found.partition, "evaluations": found.evaluations,
             "even": even, "repeats": repeats, "rounds": rounds, "p_vs_s": p_vs_s,
             "e_vs_s": compare(runs["e"], runs["s"]), "gap": (t_p - t_s) / t_s}
 
@@ -565,8 +562,9 @@ def bench_serving(quick: bool = False) -> dict:
 
 
 SECTIONS = {"generation": bench_generation, "first_token": bench_first_token, "prefill": bench_prefill,
-            "search": bench_search, "table": bench_table, "kernels": bench_kernels, "attention": bench_attention, "weights": bench_weights,
-            "batched": bench_batched, "decode_step": bench_decode_step, "serving": bench_serving}
+            "search": bench_search, "table": bench_table, "kernels": bench_kernels, "attention": bench_attention,
+            "weights": bench_weights, "batched": bench_batched, "decode_step": bench_decode_step,
+            "serving": bench_serving}
 
 
 def _progress(row: dict) -> None:
