@@ -234,3 +234,63 @@ def test_a_long_run_keeps_what_was_written_to_the_file_meanwhile(monkeypatch, tm
     text = target.read_text()
     assert "a better intro" in text and "a new table" in text and "old" not in text
     assert bench.cpu_name() in text and "PyTorch CPU capability" in text     # the line names the CPU
+
+
+def _search(errors):
+    """Search-section data as bench_search returns it; ``errors`` are the fitted model's relative errors."""
+    from toyllm.measure import compare, spread
+    from toyllm.parallel.link import LinkMeasurement
+    from toyllm.simulate import CostModel
+
+    sizes = [4096, 1048576]
+    link = LinkMeasurement(sizes, [[60e-6, 62e-6], [300e-6, 310e-6]], [61e-6, 305e-6], 4.3e9, 60e-6, 0.02)
+    cm = CostModel(4e-6, 1.3e-5, 2.5e-8, 7e-4, 4.3e9, 60e-6, label="fitted to 24 real runs' timelines, contexts [1536]")
+    block = cm.with_(attn_s_per_dot=6.6e-8, label="calibrated on this machine: 1 thread(s)")
+    accuracy = [{"context": 2048, "method": "kvr", "chunks": [1229, 819], "real": 1.0, "sim": 1.0 + e,
+                 "sim_block": 1.5, "runs": spread([0.75, 1.0, 1.02]), "beyond": abs(e) > 0.10} for e in errors]
+    return {"cm": cm, "block": block, "link": link,
+            "link_rows": [{"size": "4 KB", "median": 61e-6, "low": 60e-6, "high": 62e-6, "fit": 61e-6}],
+            "repeats": 3, "warm": 2, "accuracy": accuracy, "max_error": max(map(abs, errors)),
+            "median_error": 0.05, "block_max_error": 0.5, "block_median_error": 0.5,
+            "searches": [{"context": 4096, "search": "measured", "chunks": [2496, 1600], "evaluations": 13,
+                          "ttft": 1.0}], "target": 4096, "table_contexts": [2048, 6144], "t_p": 1.01, "t_s": 1.0,
+            "p_vs_s": compare([1.0, 1.01, 1.02], [0.99, 1.0, 1.01]), "same_partition": False, "gpu_label": "assumed",
+            "scaling": []}
+
+
+def test_search_section_shows_the_measured_link_and_both_cost_models():
+    good = render_section("search", _search([0.08, -0.03]))
+    assert "Fitted: 4.30 GB/s + 60 us per message (measured, gloo ping-pong between 2 processes" in good
+    assert "| 4 KB | 61 us [60-62 us] | 61 us |" in good
+    assert "attention (o_proj included) 25.000 ns per query-key pair" in good
+    assert "attention 66.000 ns per query-key pair" in good
+    assert "| 2048 | KVR | [1229, 819] | 1.080 | 1.000 [0.750-1.020] | +8.0% | no | 1.500 | +50.0% |" in good
+    assert "largest error 8.0%, median 5.0%: the largest is within the 10% target. One Block" in good
+    assert "(assumed)" not in good.split("### Simulated scaling")[0]
+    bad = render_section("search", _search([0.12, -0.03, -0.2]))
+    assert "largest error 20.0%, median 5.0%: the largest is not within the 10% target; 1 of 3 rows are." in bad
+    assert ("2048 tokens, KVR [1229, 819] (+12.0%; outside that row's runs, 1.000 [0.750-1.020] s: a real miss "
+            "of the model); 2048 tokens, KVR [1229, 819] (-20.0%; the simulated time lies inside that row's own "
+            "runs, 1.000 [0.750-1.020] s, so the error is one this machine cannot resolve). One Block") in bad
+
+
+def test_time_split_sums_each_ranks_timeline_by_what_it_was_doing():
+    from types import SimpleNamespace
+
+    from toyllm.bench import time_split
+
+    def ev(rank, kind, seconds, label=""):
+        return {"rank": rank, "kind": kind, "start_s": 0.0, "end_s": seconds, "layer": 0, "label": label}
+
+    timeline = [ev(0, "compute", 1.0, "qkv"), ev(0, "compute", 4.0, "attention"), ev(0, "compute", 2.0, "mlp"),
+                ev(0, "send", 0.5), ev(0, "compute", 9.0, "embed"),                 # not a layer step: left out
+                ev(1, "compute", 0.5, "qkv"), ev(1, "recv_wait", 1.5), ev(1, "compute", 3.0, "attention"),
+                ev(1, "compute", 1.0, "mlp"), ev(1, "send_wait", 0.25), ev(1, "allgather", 0.25)]
+    run = SimpleNamespace(world_size=2, timeline=timeline, ttft_s=7.5, partition=[600, 400])
+    split = time_split(run)
+    assert split["ranks"][0] == {"projections": 1.0, "attention": 4.0, "mlp": 2.0, "waiting": 0.0, "sending": 0.5,
+                                 "compute": 7.0}
+    assert split["ranks"][1] == {"projections": 0.5, "attention": 3.0, "mlp": 1.0, "waiting": 2.0, "sending": 0.0,
+                                 "compute": 4.5}
+    assert (split["imbalance"], split["compute"], split["waiting"]) == (2.5, 11.5, 2.0)
+    assert split["ttft"] == 7.5 and split["partition"] == [600, 400]

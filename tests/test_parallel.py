@@ -317,3 +317,67 @@ def test_smollm2_at_its_full_8k_context_with_the_causal_kernel(smollm2, pools):
     diff = (r.logits - ref_logits).abs().max().item()
     assert diff < ATOL, f"max |logit diff| {diff:.2e}"
     assert r.first_token == int(ref_logits.argmax()) and r.decoded == expected
+
+
+# --------------------------------------------------------------------------- the measured link and a cost model fitted to real runs
+
+from toyllm.parallel import measure_link  # noqa: E402
+from toyllm.parallel.link import fit_link  # noqa: E402
+from toyllm.simulate import CostModel  # noqa: E402
+
+
+def test_the_link_fit_recovers_bandwidth_and_latency():
+    sizes = [4096 * 4 ** k for k in range(6)]
+    bandwidth, latency = fit_link(sizes, [n / 2.5e9 + 40e-6 for n in sizes])
+    assert bandwidth == pytest.approx(2.5e9, rel=1e-9) and latency == pytest.approx(40e-6, rel=1e-9)
+
+
+@pytest.mark.parametrize("sizes, seconds, message", [
+    ([4096], [1e-4], "at least two different message sizes"),
+    ([4096, 4096], [1e-4, 2e-4], "at least two different message sizes"),
+    ([4096, 8192], [1e-4, 0.0], "must be positive"),
+    ([4096, 8192], [2e-4, 1e-4], "do not grow with size"),
+])
+def test_bad_link_samples_are_rejected(sizes, seconds, message):
+    with pytest.raises(ValueError, match=message):
+        fit_link(sizes, seconds)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(sizes_bytes=[4096]), "at least two different sizes"),
+    (dict(sizes_bytes=[4096, 4098]), "multiple of 4 bytes"),
+    (dict(repeats=0), "repeats must be an integer >= 1"),
+])
+def test_bad_link_requests_fail_before_any_process_starts(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        measure_link(**kwargs)
+
+
+@pytest.mark.timeout(120)
+def test_the_link_is_measured_between_two_processes(pools):
+    sizes = [4096, 65536, 1048576]
+    m = measure_link(sizes, repeats=3, warmup=1, pool=pools(2), timeout_s=60)
+    assert m.sizes_bytes == sizes and [len(r) for r in m.runs_s] == [3, 3, 3]
+    assert m.median_s == [statistics.median(r) for r in m.runs_s]
+    assert all(t > 0 for r in m.runs_s for t in r)
+    assert m.bandwidth_bytes_per_s > 0 and m.latency_s >= 0 and m.backend == "gloo"
+    assert m.max_fit_error == pytest.approx(max(abs(m.predict_s(n) - t) / t for n, t in zip(sizes, m.median_s)))
+    assert "measured, gloo ping-pong" in m.describe()
+    with pytest.raises(ValueError, match="at least 2 processes"):
+        measure_link(sizes, pool=pools(1))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kernel, pairs", [("dense", "dense"), ("causal", "causal")])
+def test_a_cost_model_is_fitted_to_the_timelines_of_real_runs(pools, kernel, pairs):
+    spec = ModelSpec("tiny", attention=kernel)
+    runs = [parallel_prefill(spec, _ids(n), method, 2, part, pool=pools(2))
+            for n, parts in ((37, [[20, 17], [30, 7]]), (64, [[32, 32], [40, 24]])) for part in parts
+            for method in ("tsp", "kvr")]
+    cm = CostModel.fit_runs(spec.config, runs, link_bandwidth_bytes_per_s=4e9, link_latency_s=60e-6)
+    assert cm.attention_pairs == pairs
+    assert (cm.link_bandwidth_bytes_per_s, cm.link_latency_s) == (4e9, 60e-6)
+    assert "fitted to 8 real runs' timelines, contexts [37, 64]" in cm.label
+    with pytest.raises(ValueError, match="'tsp' \\(balance 'none'\\) and 'kvr' runs"):
+        zigzag = parallel_prefill(spec, _ids(), "tsp", 2, balance="zigzag", pool=pools(2))
+        CostModel.fit_runs(spec.config, [zigzag], link_bandwidth_bytes_per_s=4e9, link_latency_s=0.0)

@@ -260,3 +260,64 @@ def test_a_kernel_that_skips_masked_work_moves_the_best_split():
     assert best["causal"] > best["dense"] + 0.03     # masked pairs skipped: rank 1's rectangle is cheaper
     with pytest.raises(ValueError, match="attention_pairs"):
         CPU_LIKE.with_(attention_pairs="sparse")
+
+
+# --------------------------------------------------------------------------- a cost model fitted to real runs' timelines
+
+from types import SimpleNamespace  # noqa: E402
+
+
+def _fake_run(method, chunks, cm_true, attention="dense", stall=None):
+    """A PrefillResult-like run whose compute spans follow known coefficients exactly; ``stall`` =
+    (rank, layer, label) makes that one span 100 times longer."""
+    events, C = [], sum(chunks)
+    for rank, c in enumerate(chunks):
+        s = sum(chunks[:rank])
+        pairs = cm_true.pairs(c, s, C if method == "tsp" else s + c)
+        t = 0.0
+        for layer in range(BENCH.n_layers):
+            for label, seconds in (("qkv", cm_true.qkv_s_per_token * c), ("attention", cm_true.attn_s_per_dot * pairs),
+                                   ("mlp", cm_true.mlp_s_per_token * c)):
+                seconds *= 100 if stall == (rank, layer, label) else 1
+                events.append({"rank": rank, "kind": "compute", "start_s": t, "end_s": t + seconds,
+                               "layer": layer, "label": label})
+                t += seconds
+            events.append({"rank": rank, "kind": "recv_wait", "start_s": t, "end_s": t + 1.0, "layer": layer,
+                           "label": "recv"})                   # not compute: left out of the fit
+        events.append({"rank": rank, "kind": "compute", "start_s": t, "end_s": t + 9.0, "layer": None,
+                       "label": "lm_head"})                   # not a layer: left out of the fit
+    return SimpleNamespace(method=method, partition=chunks, balance="none", attention=attention, timeline=events)
+
+
+@pytest.mark.parametrize("attention, pairs", [("dense", "dense"), ("causal", "causal")])
+def test_fit_runs_recovers_the_coefficients_behind_the_timelines(attention, pairs):
+    truth = CPU_LIKE.with_(attention_pairs=pairs, layer_overhead_s=0.0)
+    runs = [_fake_run(m, ch, truth, attention, stall) for m, ch, stall in
+            [("kvr", [600, 400], (1, 2, "attention")), ("kvr", [500, 500], None), ("tsp", [1000, 1000], None),
+             ("kvr", [1300, 700], (0, 0, "mlp"))]]
+    cm = CostModel.fit_runs(BENCH, runs, link_bandwidth_bytes_per_s=4e9, link_latency_s=70e-6)
+    assert cm.attention_pairs == pairs and cm.layer_overhead_s == 0.0
+    # One stalled span in a run is outvoted by the same step's other layers.
+    assert cm.qkv_s_per_token == pytest.approx(truth.qkv_s_per_token, rel=1e-9)
+    assert cm.attn_s_per_dot == pytest.approx(truth.attn_s_per_dot, rel=1e-9)
+    assert cm.mlp_s_per_token == pytest.approx(truth.mlp_s_per_token, rel=1e-9)
+    assert (cm.link_bandwidth_bytes_per_s, cm.link_latency_s) == (4e9, 70e-6)
+    # With those coefficients, the simulator's compute of a run is the run's compute, layer by layer.
+    sim = simulate_prefill(BENCH, [500, 500], "kvr", cm.with_(link_bandwidth_bytes_per_s=1e30, link_latency_s=0))
+    for rank in (0, 1):
+        spans = sum(e["end_s"] - e["start_s"] for e in runs[1].timeline
+                    if e["rank"] == rank and e["kind"] == "compute" and e["layer"] is not None)
+        assert rank_kind_seconds(sim, rank, "compute") == pytest.approx(spans, rel=1e-9)
+
+
+def test_fit_runs_rejects_what_it_cannot_fit():
+    one = _fake_run("kvr", [600, 400], CPU_LIKE)
+    link = dict(link_bandwidth_bytes_per_s=4e9, link_latency_s=0.0)
+    with pytest.raises(ValueError, match="at least one run"):
+        CostModel.fit_runs(BENCH, [], **link)
+    with pytest.raises(ValueError, match="too few different chunk sizes"):
+        CostModel.fit_runs(BENCH, [_fake_run("kvr", [500, 500], CPU_LIKE)], **link)
+    with pytest.raises(ValueError, match="different attention kernels"):
+        CostModel.fit_runs(BENCH, [one, _fake_run("kvr", [500, 500], CPU_LIKE, attention="causal")], **link)
+    with pytest.raises(ValueError, match="'tsp' \\(balance 'none'\\) and 'kvr' runs"):
+        CostModel.fit_runs(BENCH, [SimpleNamespace(**{**vars(one), "method": "single"})], **link)

@@ -313,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--min-stride", type=int, default=None,
                    help="finest boundary step in tokens, 1 to the context (default C/256)")
     s.add_argument("--repeat", type=int, default=None, help="measured cost: timed runs per partition (default 2)")
-    s.add_argument("--cost-model", default=None, help="simulated cost: CostModel JSON (default: calibrate now)")
+    s.add_argument("--cost-model", default=None, help="simulated cost: CostModel JSON (default: calibrate now and measure the link)")
     s.add_argument("--bandwidth", type=float, default=None, help="link bandwidth in GB/s (simulated link)")
     s.add_argument("--table", default=None, help="add the results to this partition table (JSON; created if missing)")
     s.add_argument("--json", action="store_true")
@@ -497,7 +497,7 @@ def check_search(args) -> dict:
                "--cost-model and --bandwidth shape the simulated cost; --cost measured times real runs")
     else:
         _check(args.repeat is None and not args.force,
-               "--repeat and --force apply to --cost measured; the simulated search starts no process")
+               "--repeat and --force apply to --cost measured; the simulated search times no prefill")
         _check(args.bandwidth is None or 0 < args.bandwidth < float("inf"),
                f"--bandwidth must be a finite number of GB/s > 0, got {args.bandwidth}")
         _check(args.cost_model is None or args.attention is None,
@@ -524,6 +524,14 @@ def cmd_search(args, plan: dict) -> int:
                 if not args.json:
                     print("calibrating the cost model on this machine (1 thread) ...", flush=True)
                 cost_model = CostModel.calibrate(cfg, attention=spec.attention)
+                if not args.bandwidth:
+                    from .parallel import measure_link
+
+                    link = measure_link()
+                    if not args.json:
+                        print(f"link between two processes: {link.describe()}", flush=True)
+                    cost_model = cost_model.with_(link_bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
+                                                  link_latency_s=link.latency_s)
             if args.bandwidth:
                 cost_model = cost_model.with_(link_bandwidth_bytes_per_s=args.bandwidth * 1e9)
         else:

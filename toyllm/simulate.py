@@ -134,11 +134,11 @@ class CostModel:
         mlp_s_per_token = beta + m (o_proj lives in attend), attn_s_per_dot =
         alpha, layer_overhead_s = b + d + g (negative fits are clipped to 0).
 
-        The link is not measured here: pass what you measured. The defaults,
-        3 GB/s and 50 us, are an assumption, not a measurement of this
-        machine's link (gloo over TCP loopback has been measured anywhere
-        from about 0.6 to 3 GB/s on small shared VMs, depending on message
-        size and load).
+        The link is not measured here: pass what ``toyllm.parallel.measure_link``
+        measured. The defaults, 3 GB/s and 50 us, are an assumption, not a
+        measurement of this machine's link (gloo over TCP loopback has been
+        measured anywhere from about 0.6 to 4.5 GB/s on small shared VMs,
+        depending on message size and load).
         """
         import torch
 
@@ -181,19 +181,86 @@ class CostModel:
         finally:
             torch.set_num_threads(old_threads)
 
-        def fit(rows, times):
-            coef, *_ = np.linalg.lstsq(np.asarray(rows, dtype=float), np.asarray(times, dtype=float), rcond=None)
-            return [max(0.0, float(c)) for c in coef]
-
-        a, b = fit(qkv_rows, qkv_t)
-        m, d = fit(fin_rows, fin_t)
-        alpha, beta, g = fit(att_rows, att_t)
+        a, b = _least_squares(qkv_rows, qkv_t)
+        m, d = _least_squares(fin_rows, fin_t)
+        alpha, beta, g = _least_squares(att_rows, att_t)
         name = attention if isinstance(attention, str) else getattr(attention, "__name__", "custom")
         return cls(qkv_s_per_token=a, mlp_s_per_token=beta + m, attn_s_per_dot=alpha,
                    layer_overhead_s=b + d + g, link_bandwidth_bytes_per_s=link_bandwidth_bytes_per_s,
                    link_latency_s=link_latency_s, bytes_per_value=4, attention_pairs=mode,
                    label=f"calibrated on this machine: {threads} thread(s), {name} attention, "
-                         f"contexts {sizes}; link assumed")
+                         f"contexts {sizes}")
+
+
+    @classmethod
+    def fit_runs(cls, cfg: ModelConfig, runs, *, link_bandwidth_bytes_per_s: float, link_latency_s: float,
+                 label: str = "") -> "CostModel":
+        """Fit the compute coefficients to the timelines of real parallel prefills (``PrefillResult`` s).
+
+        ``calibrate`` times one Block alone in this process, with the other
+        core idle; in a real run every rank computes at once, sharing the
+        memory bandwidth and the caches, and a long context's tensors are
+        larger than any calibrated one. Here the compute spans of real runs
+        (``qkv``, ``attention``, ``mlp`` of each layer on each rank) are the
+        samples: one per step, rank and configuration, the median of its
+        spans over the layers (all alike) and over the runs given, so that
+        one stalled span (another process, a page fault) does not pull the
+        fit. The model is the simplest that fits them: seconds per token for
+        the projections and for the MLP, seconds per query-key pair for
+        attention (o_proj, which ``Block.attend`` runs, folds into it), no
+        fixed cost per layer. On a shared 2-core VM the spans of short
+        chunks vary by 2x from run to run, and fits with per-layer constants
+        took those swings for fixed costs of milliseconds; the long spans
+        that dominate an unweighted least squares are measured best.
+        Runs must be "tsp" (not zigzag or trimmed) or "kvr", all with one
+        attention kernel; the link is not in the spans, so pass it
+        (``toyllm.parallel.measure_link``).
+        """
+        from .attention import get_attention
+
+        runs = list(runs)
+        if not runs:
+            raise ValueError("fit_runs needs at least one run (a PrefillResult of method 'tsp' or 'kvr')")
+        kernels = {r.attention for r in runs}
+        if len(kernels) != 1:
+            raise ValueError(f"the runs used different attention kernels {sorted(kernels)}: fit one kernel at a time")
+        mode = "causal" if getattr(get_attention(kernels.pop()), "skips_masked", False) else "dense"
+        pairs_of = cls(0.0, 0.0, 0.0, attention_pairs=mode).pairs
+        # One sample per step, rank and configuration: the median of its spans over the layers (all alike)
+        # and over the runs of that configuration, so that one slow span (another process, a page fault)
+        # does not pull the fit.
+        spans: dict[tuple, list[float]] = {}
+        for run in runs:
+            if run.method not in ("tsp", "kvr") or run.balance != "none":
+                raise ValueError(f"fit_runs takes 'tsp' (balance 'none') and 'kvr' runs, got method "
+                                 f"{run.method!r} with balance {run.balance!r}")
+            chunks, C = list(run.partition), sum(run.partition)
+            for e in run.timeline:
+                e = e if isinstance(e, Event) else Event.from_dict(e)
+                if e.kind != "compute" or e.layer is None or e.label not in ("qkv", "attention", "mlp"):
+                    continue
+                c, s = chunks[e.rank], sum(chunks[:e.rank])
+                pairs = pairs_of(c, s, C if run.method == "tsp" else s + c)
+                spans.setdefault((e.label, c, pairs), []).append(e.duration_s)
+        samples = {"qkv": ([], []), "attention": ([], []), "mlp": ([], [])}
+        for (step, c, pairs), seconds in spans.items():
+            samples[step][0].append([pairs if step == "attention" else c])
+            samples[step][1].append(float(np.median(seconds)))
+        if any(len({tuple(r) for r in rows}) < 2 for rows, _ in samples.values()):
+            raise ValueError("the runs hold too few different chunk sizes to fit: give runs with at least "
+                             "two different chunk sizes, e.g. two partitions or two contexts")
+        (a,), (m,), (alpha,) = (_least_squares(*samples[step]) for step in ("qkv", "mlp", "attention"))
+        contexts = sorted({sum(r.partition) for r in runs})
+        return cls(qkv_s_per_token=a, mlp_s_per_token=m, attn_s_per_dot=alpha, layer_overhead_s=0.0,
+                   link_bandwidth_bytes_per_s=link_bandwidth_bytes_per_s, link_latency_s=link_latency_s,
+                   bytes_per_value=4, attention_pairs=mode,
+                   label=label or f"fitted to {len(runs)} real runs' timelines, contexts {contexts}")
+
+
+def _least_squares(rows, times) -> list[float]:
+    """Coefficients of times ~ rows @ coef (numpy least squares), negative ones clipped to 0."""
+    coef, *_ = np.linalg.lstsq(np.asarray(rows, dtype=float), np.asarray(times, dtype=float), rcond=None)
+    return [max(0.0, float(c)) for c in coef]
 
 
 def a100_like(cfg: ModelConfig, mfu: float = 0.5, link_bandwidth_bytes_per_s: float = 300e9,

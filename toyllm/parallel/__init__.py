@@ -22,15 +22,18 @@ Three layers, each readable on its own:
 - ``comm``: the communication objects (all-gather, the KVR chain with
   blocking or overlapped sends and receives, a simulated slow link);
 - ``runner``: checking a request, starting the processes, timing repeated
-  runs, timelines, decoding afterwards, merging the results.
+  runs, timelines, decoding afterwards, merging the results;
+- ``link``: measuring the real link between two ranks (bandwidth and
+  latency), for the simulator's cost model.
 """
 from .comm import AllGather, Chain, LinkModel
+from .link import LinkMeasurement, measure_link
 from .runner import (METHODS, ModelSpec, PrefillResult, check_prefill_request, measured_cost,
                      parallel_prefill, prefill_rank, single_prefill, torchrun_main)
 from .steps import (TSP_BALANCES, RankPositions, default_step, kvr_layer, kvr_layer_blocking, tsp_layer,
                     tsp_trimmed_layer, tsp_zigzag_layer)
 
-__all__ = ["AllGather", "Chain", "LinkModel", "METHODS", "ModelSpec", "PrefillResult", "check_prefill_request",
+__all__ = ["AllGather", "Chain", "LinkModel", "LinkMeasurement", "measure_link", "METHODS", "ModelSpec", "PrefillResult", "check_prefill_request",
            "measured_cost", "parallel_prefill", "prefill_rank", "single_prefill", "torchrun_main",
            "TSP_BALANCES", "RankPositions", "default_step", "kvr_layer", "kvr_layer_blocking", "tsp_layer",
            "tsp_trimmed_layer", "tsp_zigzag_layer"]
