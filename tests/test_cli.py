@@ -74,6 +74,12 @@ def test_search_builds_a_table_that_prefill_uses(capsys, tmp_path):
     pre = run_json(capsys, ["prefill", "--model", "tiny", "--context", "384", "--method", "kvr", "--world-size", "2",
                             "--partition-table", str(table), "--repeat", "1", "--json"])
     assert pre["partition"] == loaded.predict(384)
+    run_json(capsys, ["search", "--model", "tiny", "--context", "768", "--world-size", "2",
+                      "--cost-model", str(tmp_path / "cm.json"), "--table", str(table), "--json"])
+    grown = PartitionTable.load(table)           # a later search adds its entry and says how it was found
+    assert grown.contexts == [256, 512, 768]
+    assert grown.about.startswith(loaded.about + " Then: Searched with `python -m toyllm search --model tiny "
+                                  "--context 768 ")
 
 
 @pytest.mark.needs("5.2")

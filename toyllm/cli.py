@@ -563,8 +563,10 @@ def cmd_search(args, plan: dict) -> int:
                    f"--world-size {p} --attention {spec.attention} --cost {args.cost}")
         runs = ("simulated cost" if pool is None
                 else f"{p} processes with 1 thread each, median of {args.repeat or 2} runs per partition")
-        table.about = (f"Searched with `{command}` on {time.strftime('%Y-%m-%d')}: {runs}; {cpu_name()}, "
-                       f"{os.cpu_count()} logical CPUs, torch {torch.__version__}.")
+        found = (f"Searched with `{command}` on {time.strftime('%Y-%m-%d')}: {runs}; {cpu_name()}, "
+                 f"{os.cpu_count()} logical CPUs, torch {torch.__version__}.")
+        # A table grown over several searches keeps how each of its entries was found.
+        table.about = f"{table.about} Then: {found}" if table.about else found
         table.save(args.table)
     if args.json:
         print(json.dumps(results[0] if len(results) == 1 else results))
