@@ -363,6 +363,7 @@ def test_the_link_is_measured_between_two_processes(pools):
     assert m.bandwidth_bytes_per_s > 0 and m.latency_s >= 0 and m.backend == "gloo"
     assert m.max_fit_error == pytest.approx(max(abs(m.predict_s(n) - t) / t for n, t in zip(sizes, m.median_s)))
     assert "measured, gloo ping-pong" in m.describe()
+    assert CostModel(1e-6, 1e-6, 1e-9).with_(**m.cost_model_fields).link_latency_s == m.latency_s
     with pytest.raises(ValueError, match="at least 2 processes"):
         measure_link(sizes, pool=pools(1))
 

@@ -252,9 +252,8 @@ def bench_search(quick: bool = False) -> dict:
                 for warmup in (1, 0, 0):            # three timelines of each, after one warm-up run
                     fitted_on.append(parallel_prefill(spec, ids, method, 2, chunks, repeat=1, warmup=warmup,
                                                       pool=pool))
-    on_link = dict(link_bandwidth_bytes_per_s=link.bandwidth_bytes_per_s, link_latency_s=link.latency_s)
-    cm = CostModel.fit_runs(cfg, fitted_on, **on_link)
-    block = block.with_(**on_link)
+    cm = CostModel.fit_runs(cfg, fitted_on, **link.cost_model_fields)
+    block = block.with_(**link.cost_model_fields)
     accuracy = []
     for C in ((1024, 2048) if quick else (2048, 4096, 8192)):
         ids = random_prompt(C, cfg.vocab_size)

@@ -524,16 +524,15 @@ def cmd_search(args, plan: dict) -> int:
                 if not args.json:
                     print("calibrating the cost model on this machine (1 thread) ...", flush=True)
                 cost_model = CostModel.calibrate(cfg, attention=spec.attention)
-                if not args.bandwidth:
-                    from .parallel import measure_link
-
-                    link = measure_link()
-                    if not args.json:
-                        print(f"link between two processes: {link.describe()}", flush=True)
-                    cost_model = cost_model.with_(link_bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
-                                                  link_latency_s=link.latency_s)
             if args.bandwidth:
                 cost_model = cost_model.with_(link_bandwidth_bytes_per_s=args.bandwidth * 1e9)
+            elif not args.cost_model:
+                from .parallel import measure_link
+
+                link = measure_link()
+                if not args.json:
+                    print(f"link between two processes: {link.describe()}", flush=True)
+                cost_model = cost_model.with_(**link.cost_model_fields)
         else:
             from .launch import WorkerPool
 

@@ -95,9 +95,7 @@ class CostModel:
 
     def pairs(self, queries: int, before: int, keys: int) -> int:
         """Query-key pairs a rank computes: ``queries`` tokens after ``before`` others, over ``keys`` keys."""
-        if self.attention_pairs == "causal":
-            return queries * before + queries * (queries + 1) // 2
-        return queries * keys
+        return query_key_pairs(self.attention_pairs, queries, before, keys)
 
     def with_(self, **changes) -> "CostModel":
         """A copy with some fields changed, e.g. ``cm.with_(link_bandwidth_bytes_per_s=10e9)``."""
@@ -225,7 +223,6 @@ class CostModel:
         if len(kernels) != 1:
             raise ValueError(f"the runs used different attention kernels {sorted(kernels)}: fit one kernel at a time")
         mode = "causal" if getattr(get_attention(kernels.pop()), "skips_masked", False) else "dense"
-        pairs_of = cls(0.0, 0.0, 0.0, attention_pairs=mode).pairs
         # One sample per step, rank and configuration: the median of its spans over the layers (all alike)
         # and over the runs of that configuration, so that one slow span (another process, a page fault)
         # does not pull the fit.
@@ -240,7 +237,7 @@ class CostModel:
                 if e.kind != "compute" or e.layer is None or e.label not in ("qkv", "attention", "mlp"):
                     continue
                 c, s = chunks[e.rank], sum(chunks[:e.rank])
-                pairs = pairs_of(c, s, C if run.method == "tsp" else s + c)
+                pairs = query_key_pairs(mode, c, s, C if run.method == "tsp" else s + c)
                 spans.setdefault((e.label, c, pairs), []).append(e.duration_s)
         samples = {"qkv": ([], []), "attention": ([], []), "mlp": ([], [])}
         for (step, c, pairs), seconds in spans.items():
@@ -255,6 +252,14 @@ class CostModel:
                    link_bandwidth_bytes_per_s=link_bandwidth_bytes_per_s, link_latency_s=link_latency_s,
                    bytes_per_value=4, attention_pairs=mode,
                    label=label or f"fitted to {len(runs)} real runs' timelines, contexts {contexts}")
+
+
+def query_key_pairs(mode: str, queries: int, before: int, keys: int) -> int:
+    """Pairs a kernel computes for ``queries`` tokens after ``before`` others, over ``keys`` keys:
+    every pair of the rectangle ("dense") or only those the queries can see ("causal")."""
+    if mode == "causal":
+        return queries * before + queries * (queries + 1) // 2
+    return queries * keys
 
 
 def _least_squares(rows, times) -> list[float]:

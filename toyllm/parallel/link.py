@@ -45,6 +45,11 @@ class LinkMeasurement:
     max_fit_error: float
     backend: str = "gloo"
 
+    @property
+    def cost_model_fields(self) -> dict:
+        """The link as ``toyllm.simulate.CostModel`` names it: ``cm.with_(**link.cost_model_fields)``."""
+        return {"link_bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "link_latency_s": self.latency_s}
+
     def predict_s(self, n_bytes: float) -> float:
         """The fitted seconds for one message of ``n_bytes``."""
         return n_bytes / self.bandwidth_bytes_per_s + self.latency_s
