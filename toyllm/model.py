@@ -156,11 +156,13 @@ class Attention(nn.Module):
     def qkv(self, x, cos, sin):
         """Project x (B, T, d_model) to roped q (B, H, T, D) and k, v (B, Hkv, T, D)."""
         B, T, _ = x.shape
-        q, k, v = self.wqkv(x).split(self.qkv_sizes, dim=-1)            # (B, T, H*D), (B, T, Hkv*D) x 2
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        H, Hkv = self.n_heads, self.n_kv_heads
+        heads = self.wqkv(x).view(B, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)   # (B, H + 2Hkv, T, D)
+        # q and k turned by one call (they share the angles), v left as it is: half the operator
+        # calls of roping each alone, which a decode step pays on every layer.
+        qk, v = heads.split([H + Hkv, Hkv], dim=1)                       # (B, H + Hkv, T, D), (B, Hkv, T, D)
+        q, k = apply_rope(qk, cos, sin).split([H, Hkv], dim=1)
+        return q, k, v
 
     def attend(self, q, k, v, q_pos, k_pos, attention: AttentionFn):
         """Attention of q (B, H, T, D) over all keys k, v (B, Hkv, S, D); returns (B, T, d_model)."""
