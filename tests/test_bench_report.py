@@ -198,16 +198,20 @@ def test_generation_and_weight_cells_show_their_rounds_and_decide_from_them():
         "prompt_len": 64, "new_tokens": 512, "threads": 2, "repeats": 3, "rows": rows, "best": rows[1],
         "target": target, "smol": smol})
 
+    from toyllm.bench import add_floor_figures
+
     def fmt_row(fmt, runs_s, fp32_runs):
-        return {"format": fmt, "kernel": "fbgemm" if fmt == "fp16" else "k", "bytes_per_token": 271e6, "floor_tokens_per_s": 87.3, "tokens_per_s": 1 / spread(runs_s).median,
-                "runs_s": runs_s, "vs_fp32": compare(runs_s, fp32_runs), "paris": True, "same_as_fp32": True}
+        return add_floor_figures({"format": fmt, "kernel": "fbgemm" if fmt == "fp16" else "k", "bytes_per_token": 271e6,
+                                  "linear_bytes": 270e6, "tokens_per_s": 1 / spread(runs_s).median, "runs_s": runs_s,
+                                  "products_s": 0.015, "products_runs_s": [0.015], "calls_per_step": 1200,
+                                  "vs_fp32": compare(runs_s, fp32_runs), "paris": True, "same_as_fp32": True}, 23.66e9)
 
     fp32 = [0.060, 0.059, 0.061]
     weights = [fmt_row("fp32", fp32, fp32), fmt_row("fp16", [0.023, 0.0225, 0.024], fp32),
                fmt_row("bf16", [0.058, 0.062, 0.060], fp32)]
-    text = render_section("weights", {"bandwidth_bytes_per_s": 23.7e9, "threads": 2, "prompt_len": 37, "new_tokens": 32,
+    text = render_section("weights", {"bandwidth_bytes_per_s": 23.66e9, "threads": 2, "prompt_len": 37, "new_tokens": 32,
                                       "rounds": 3, "attention": "dense", "rows": weights, "best": weights[1],
-                                      "at_floor": [], "capability": "AVX2"})
+                                      "at_floor": [], "capability": "AVX2", "floor_target": 0.65})
     assert "| fp32 | k | 271 | 87.3 | 16.7 [16.4-16.9] | 19% | - |" in text
     assert "| fp16 | fbgemm | 271 | 87.3 | 43.5 [41.7-44.4] | 50% | 2.61x faster |" in text
     assert "| bf16 | k | 271 | 87.3 | 16.7 [16.1-17.2] | 19% | tie (1.00x) |" in text      # the ranges overlap

@@ -171,24 +171,39 @@ def test_decode_bytes_per_token_counts_weights_embedding_row_and_kv():
 
 
 def test_the_weights_and_batched_sections_render_their_verdicts_from_the_numbers():
-    from toyllm.bench import render_section
+    from toyllm.bench import add_floor_figures, render_section
     from toyllm.bench_decode import BLOG_TOY
-
     from toyllm.measure import compare
 
     fp32_runs = [0.099, 0.101]                   # seconds per token, round by round
-    rows = [{"format": f, "kernel": "k", "bytes_per_token": b, "tokens_per_s": t, "floor_tokens_per_s": 1e9 / b, "runs_s": r,
-             "vs_fp32": compare(r, fp32_runs), "paris": p, "same_as_fp32": p}
-            for f, b, t, r, p in [("fp32", 5.4e8, 10.0, fp32_runs, True), ("bf16", 2.7e8, 15.0, [0.0658, 0.0671], True),
-                                  ("int8", 1.4e8, 30.0, [0.033, 0.0337], False)]]
+    rows = [add_floor_figures({"format": f, "kernel": "k", "bytes_per_token": b, "linear_bytes": b, "tokens_per_s": t,
+                               "runs_s": r, "products_s": ps, "products_runs_s": [ps * 0.98, ps * 1.02],
+                               "calls_per_step": 1000, "vs_fp32": compare(r, fp32_runs), "paris": p, "same_as_fp32": p},
+                              1e9)
+            for f, b, t, r, ps, p in [("fp32", 5.4e8, 10.0, fp32_runs, 0.08, True),
+                                      ("bf16", 2.7e8, 15.0, [0.0658, 0.0671], 0.05, True),
+                                      ("int8", 1.4e8, 30.0, [0.033, 0.0337], 0.02, False)]]
     weights = {"bandwidth_bytes_per_s": 1e9, "threads": 2, "prompt_len": 37, "new_tokens": 16, "rounds": 2,
                "attention": "dense", "rows": rows, "best": rows[1], "at_floor": ["fp32", "bf16", "int8"],
-               "capability": "AVX512"}
+               "capability": "AVX512", "floor_target": 0.65}
     text = render_section("weights", weights)
     assert "| bf16 | k | 270 | 3.7 | 15.0 [14.9-15.2] | 405% | 1.50x faster | yes | yes |" in text
     assert "| int8 | k | 140 | 7.1 | 30.0 [29.7-30.3] | 420% | 3.00x faster | no | no |" in text
     assert 'still answers "Paris" is bf16: 15.0 tokens/s, 1.50x faster than float32' in text
     assert "At or above the floor: fp32, bf16, int8" in text and "No format reaches" not in text
+    # where the step goes: 66.67 ms per token, 50 ms of products reading 270 MB (5.4 GB/s), the rest over 1000 calls
+    assert "| bf16 | 66.67 | 50.00 [49.00-51.00] | 5.4 | 540% | 16.67 | 1000 | 16.7 |" in text
+    assert "bf16 reaches 405%, which meets it." in text and "out of reach" not in text
+    # a format whose products alone stay below the target: out of reach with its kernel, said from the numbers
+    slow = add_floor_figures({**rows[1], "tokens_per_s": 2.0, "products_s": 0.4, "products_runs_s": [0.4]}, 1e9)
+    text = render_section("weights", {**weights, "rows": [slow], "best": slow})
+    assert "bf16 reaches 54%, which does not meet it." in text
+    assert "even a step that did nothing else would reach 68% of the floor" not in text
+    assert "would allow 68%; the rest of the step, 100.00 ms over 1000 operator calls (about 100.0 us per call)" in text
+    slower = add_floor_figures({**slow, "products_s": 0.45}, 1e9)
+    text = render_section("weights", {**weights, "rows": [slower], "best": slower})
+    assert "even a step that did nothing else would reach 60% of the floor, so with this kernel" in text
+    assert "The rest adds 50.00 ms over 1000 operator calls, about 50.0 us per call." in text
     assert "No format answered" in render_section("weights", {**weights, "best": None})
     batched = {"prompts": 10, "prompt_len": 50, "new_tokens": 100, "config": BLOG_TOY.to_dict(), "threads": 2,
                "naive_s": 3.0, "cached_s": 0.25, "speedup": 12.0, "identical": True}

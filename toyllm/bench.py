@@ -520,20 +520,37 @@ def bench_attention(quick: bool = False, contexts: tuple[int, ...] | None = None
             "contexts": results}
 
 
+FLOOR_TARGET = 0.65   # the decode target: the fastest format that answers Paris at this share of its floor's speed
+
+
+def add_floor_figures(row: dict, bandwidth: float) -> dict:
+    """Add to a row of ``smollm2_formats`` its floor and where its step goes, given the bandwidth (bytes/s):
+    floor_tokens_per_s, rest_s (seconds per token outside the weight products), products_bytes_per_s
+    (the products' read rate) and products_floor_share (the share of the floor's speed a step would
+    reach if nothing but its products took time). Returns the row."""
+    row["floor_tokens_per_s"] = bandwidth / row["bytes_per_token"]
+    row["rest_s"] = 1 / row["tokens_per_s"] - row["products_s"]
+    row["products_bytes_per_s"] = row["linear_bytes"] / row["products_s"]
+    row["products_floor_share"] = 1 / (row["floor_tokens_per_s"] * row["products_s"])
+    return row
+
+
 def bench_weights(quick: bool = False) -> dict:
     """SmolLM2 decode tokens/s per weight format beside the memory-bandwidth floor (lesson 03's roofline)."""
-    from .bench_decode import copy_bandwidth, smollm2_formats
+    from .bench_decode import smollm2_formats
 
-    bandwidth = copy_bandwidth()
-    data = smollm2_formats(new_tokens=16 if quick else 32, rounds=2 if quick else 5)
+    data = smollm2_formats(new_tokens=16 if quick else 32, rounds=2 if quick else 5, bandwidth=True)
+    bandwidth = statistics.median(data["bandwidth_runs"])
     for row in data["rows"]:
-        row["floor_tokens_per_s"] = bandwidth / row["bytes_per_token"]
-        _progress({k: v for k, v in row.items() if k in ("format", "tokens_per_s", "floor_tokens_per_s")})
+        add_floor_figures(row, bandwidth)
+        _progress({k: v for k, v in row.items()
+                   if k in ("format", "tokens_per_s", "floor_tokens_per_s", "products_s", "calls_per_step")})
     data["at_floor"] = [r["format"] for r in data["rows"] if r["tokens_per_s"] >= r["floor_tokens_per_s"]]
     data["capability"] = torch.backends.cpu.get_cpu_capability()
     answering = [r for r in data["rows"] if r["paris"]]
     data["best"] = max(answering, key=lambda r: r["tokens_per_s"]) if answering else None
-    return {"bandwidth_bytes_per_s": bandwidth, "threads": torch.get_num_threads(), **data}
+    return {"bandwidth_bytes_per_s": bandwidth, "threads": torch.get_num_threads(), "floor_target": FLOOR_TARGET,
+            **data}
 
 
 def bench_batched(quick: bool = False) -> dict:

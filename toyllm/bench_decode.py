@@ -28,7 +28,7 @@ from .cache import make_cache
 from .generation import generate
 from .model import ModelConfig
 from .measure import compare
-from .quant import WEIGHT_FORMATS, linear_kernel, linear_weight_bytes
+from .quant import WEIGHT_FORMATS, linear_kernel, linear_layers, linear_weight_bytes
 from .utils import median_time
 
 # The toy of the KV-cache blog post: vocabulary 100, width 32, one attention layer with
@@ -56,19 +56,45 @@ def decode_bytes_per_token(model, context: int, batch: int = 1) -> int:
     return linear_weight_bytes(model) + batch * cfg.d_model * 4 + kv
 
 
+def weight_products(model):
+    """A function that runs every weight product of one decode step and nothing else: each linear
+    layer of ``model`` once, in the order a step calls them, on one token's input (zeros of its width).
+
+    Timing it gives the kernels' share of a step: the weights come from memory as in a step (the
+    layers together are far larger than the CPU's caches), with none of the norms, RoPE, attention
+    or cache work between the calls.
+    """
+    layers = linear_layers(model)
+    inputs = {n: torch.zeros(1, 1, n) for n in {m.in_features for m in layers}}
+
+    @torch.no_grad()
+    def run():
+        for layer in layers:
+            layer(inputs[layer.in_features])
+    return run
+
+
 def smollm2_formats(formats=WEIGHT_FORMATS, new_tokens: int = 32, rounds: int = 3, prompt: str = CHAT_PROMPT,
-                    answer_tokens: int = 48, attention: str = "dense") -> dict:
+                    answer_tokens: int = 48, attention: str = "dense", bandwidth: bool = False) -> dict:
     """Decode tokens/s of SmolLM2 per weight format, formats alternating round by round.
 
     Each round generates ``new_tokens`` greedy tokens after the chat prompt with
     every format in turn; a format's speed is 1 / (median seconds per token
     after the first), and its reported value is the median over rounds.
+    In the same rounds, right after each format's generation, its weight
+    products alone (``weight_products``) are timed: "products_runs_s" holds
+    each round's median seconds of 5 runs, and "products_s" their median.
+    "calls_per_step": the operator calls a decode step makes from Python
+    (torch.profiler, one step).
     "kernel": what the layers' weight products run on (``quant.linear_kernel``).
     "vs_fp32": the format's verdict against the first format (float32),
     from the rounds (``measure.compare``). Also records whether each
     format's greedy answer (up to ``answer_tokens``, stopping at end of
     turn) names Paris and equals float32's.
     attention: the model's attention kernel, the same for every format.
+    bandwidth: also measure the memory bandwidth (``copy_bandwidth``) at the
+    start of every round, as "bandwidth_runs" (bytes/s): on a shared machine
+    it moves from minute to minute, and with it the floor.
     """
     from .weights import load_model
 
@@ -77,19 +103,29 @@ def smollm2_formats(formats=WEIGHT_FORMATS, new_tokens: int = 32, rounds: int = 
         models[fmt], tokenizer = load_model("smollm2-135m", attention=attention, weights=fmt)
     ids = tokenizer.encode_chat(prompt)
     answers = {fmt: generate(m, ids, answer_tokens, eos_id=tokenizer.eos_id).output_ids for fmt, m in models.items()}
+    products = {fmt: weight_products(m) for fmt, m in models.items()}
     tpot = {fmt: [] for fmt in formats}
+    products_s = {fmt: [] for fmt in formats}
+    bandwidth_runs = []
     for _ in range(rounds):
+        if bandwidth:
+            bandwidth_runs.append(copy_bandwidth())
         for fmt, m in models.items():
             tpot[fmt].append(generate(m, ids, new_tokens).tpot_s)
+            products_s[fmt].append(median_time(products[fmt], 5)[0])
     context = len(ids) + new_tokens // 2
     rows = []
     for fmt, m in models.items():
         seconds = statistics.median(tpot[fmt])
         text = tokenizer.decode(answers[fmt], skip_special_tokens=True)
         rows.append({"format": fmt, "kernel": linear_kernel(m), "bytes_per_token": decode_bytes_per_token(m, context),
-                     "tokens_per_s": 1 / seconds, "runs_s": tpot[fmt], "vs_fp32": compare(tpot[fmt], tpot[formats[0]]),
+                     "linear_bytes": linear_weight_bytes(m), "tokens_per_s": 1 / seconds, "runs_s": tpot[fmt],
+                     "products_s": statistics.median(products_s[fmt]), "products_runs_s": products_s[fmt],
+                     "calls_per_step": profile_decode_step(m, len(ids), steps=2)["top_level_calls"],
+                     "vs_fp32": compare(tpot[fmt], tpot[formats[0]]),
                      "answer": text, "paris": "Paris" in text, "same_as_fp32": answers[fmt] == answers[formats[0]]})
-    return {"prompt_len": len(ids), "new_tokens": new_tokens, "rounds": rounds, "attention": attention, "rows": rows}
+    return {"prompt_len": len(ids), "new_tokens": new_tokens, "rounds": rounds, "attention": attention, "rows": rows,
+            **({"bandwidth_runs": bandwidth_runs} if bandwidth else {})}
 
 
 def demo_decode_speed(formats=("fp32", "fp16", "bf16", "int8"), out=None) -> dict:

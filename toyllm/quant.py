@@ -232,12 +232,12 @@ def linear_kernel(model: nn.Module) -> str:
     return next((m.kernel for m in model.modules() if isinstance(m, _ConvertedLinear)), "F.linear")
 
 
+def linear_layers(model: nn.Module) -> list[nn.Module]:
+    """The linear layers of ``model``, float32 (``nn.Linear``) or converted, in the order of ``model.modules()``."""
+    return [m for m in model.modules() if isinstance(m, (nn.Linear, _ConvertedLinear))]
+
+
 def linear_weight_bytes(model: nn.Module) -> int:
     """Bytes of the linear layers' weights (and scales): what one decode step must read, besides the KV cache."""
-    total = 0
-    for m in model.modules():
-        if isinstance(m, nn.Linear):
-            total += m.weight.numel() * m.weight.element_size()
-        elif isinstance(m, _ConvertedLinear):
-            total += m.weight_nbytes
-    return total
+    return sum(m.weight.numel() * m.weight.element_size() if isinstance(m, nn.Linear) else m.weight_nbytes
+               for m in linear_layers(model))
