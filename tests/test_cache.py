@@ -76,3 +76,24 @@ def test_static_equals_dynamic_for_a_batch():
             assert ks.shape == (3, 2, dyn.length if layer == 1 else kd.shape[-2], 8)
             assert torch.equal(kd, ks) and torch.equal(vd, vs)
     assert sta.length == dyn.length == 7 and sta.copies == 0
+
+
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+def test_a_cache_filled_by_generate_serves_later_calls_with_or_without_autograd(kind):
+    """generate runs in inference mode (fewer checks per operator call); a cache it filled, and the
+    logits it returns, must still work in plain PyTorch afterwards, gradients on or off."""
+    from toyllm import generate
+
+    model = build_model("tiny", seed=0)
+    cache = make_cache(kind, model.config, 32)
+    result = generate(model, [1, 2, 3], 4, cache=cache, return_logits=True)
+    reference = model(torch.tensor([[1, 2, 3, *result.output_ids[:3]]]))[0, -1]
+    torch.testing.assert_close(result.logits[3] * 1.0, reference, rtol=1e-5, atol=1e-5)
+    assert cache.length == 6                    # the prompt and the answer but its last token, never fed back
+    with torch.no_grad():
+        model(torch.tensor([[result.output_ids[-1]]]), cache=cache)              # position 6
+    with torch.enable_grad():
+        logits = model(torch.tensor([[5]]), cache=cache)                        # position 7, autograd on
+    assert cache.length == 8
+    expected = model(torch.tensor([[1, 2, 3, *result.output_ids, 5]]))[0, -1]
+    torch.testing.assert_close(logits[0, -1], expected, rtol=1e-5, atol=1e-5)

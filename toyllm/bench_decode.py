@@ -67,7 +67,7 @@ def weight_products(model):
     layers = linear_layers(model)
     inputs = {n: torch.zeros(1, 1, n) for n in {m.in_features for m in layers}}
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def run():
         for layer in layers:
             layer(inputs[layer.in_features])
@@ -183,7 +183,7 @@ def _quiet_stderr():
         os.close(saved)
 
 
-@torch.no_grad()
+@torch.inference_mode()          # as generate runs its steps
 def profile_decode_step(model, prompt_len: int = 38, steps: int = 8) -> dict:
     """Where a decode step's time goes, by torch.profiler, per step (averages over ``steps`` steps).
 

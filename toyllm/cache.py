@@ -90,9 +90,6 @@ class StaticKVCache:
         shape = (n_layers, batch, n_kv_heads, self.capacity, head_dim)
         self.k_buf = torch.zeros(shape, dtype=dtype, device=device)
         self.v_buf = torch.zeros(shape, dtype=dtype, device=device)
-        # Each layer's (B, Hkv, capacity, D) part, as views made once: a decode step then slices
-        # them directly instead of indexing the layer out of the buffer again on every call.
-        self._k, self._v = self.k_buf.unbind(0), self.v_buf.unbind(0)
         self._end = [window] * n_layers     # per layer: one past the newest row; window = buf[end-window:end]
         self._len = [0] * n_layers          # per layer: real (non-padding) rows in the window
         self.copies = 0
@@ -125,13 +122,13 @@ class StaticKVCache:
         if end + T > self.capacity:
             # Out of reserved rows: shift the window back to the buffer's start (the one real copy).
             keep = self.window - T
-            for buf in (self._k[layer], self._v[layer]):
-                buf[:, :, :keep] = buf[:, :, end - keep:end].clone()
+            for buf in (self.k_buf, self.v_buf):
+                buf[layer, :, :, :keep] = buf[layer, :, :, end - keep:end].clone()
             self.copies += 1
             self.copied_rows += keep
             end = keep
-        self._k[layer][:, :, end:end + T] = k
-        self._v[layer][:, :, end:end + T] = v
+        self.k_buf[layer, :, :, end:end + T] = k
+        self.v_buf[layer, :, :, end:end + T] = v
         self._end[layer] = end + T
         self._len[layer] += T
         return self.keys(layer), self.values(layer)
@@ -139,16 +136,16 @@ class StaticKVCache:
     def window_view(self, layer: int):
         """The fixed-size (B, Hkv, S-1, D) K and V a static graph would read, padding included."""
         end = self._end[layer]
-        return self._k[layer][:, :, end - self.window:end], self._v[layer][:, :, end - self.window:end]
+        return self.k_buf[layer, :, :, end - self.window:end], self.v_buf[layer, :, :, end - self.window:end]
 
     def keys(self, layer: int) -> torch.Tensor:
         """The real rows only (padding would be masked out; slicing it away is equivalent)."""
         end = self._end[layer]
-        return self._k[layer][:, :, end - self._len[layer]:end]
+        return self.k_buf[layer, :, :, end - self._len[layer]:end]
 
     def values(self, layer: int) -> torch.Tensor:
         end = self._end[layer]
-        return self._v[layer][:, :, end - self._len[layer]:end]
+        return self.v_buf[layer, :, :, end - self._len[layer]:end]
 
     def __iter__(self):
         """Per-layer (keys, values), each (B, Hkv, S, D): the real rows only."""

@@ -182,7 +182,7 @@ def _check_request(model, prompts, max_new_tokens, method, cache, prefilled_logi
 
 
 @shortcut("1.1", "1.2", "1.3", "2.4")
-@torch.no_grad()
+@torch.inference_mode()
 def generate(model, prompt_ids: list[int] | list[list[int]], max_new_tokens: int = 32, *, method: str = "cached",
              cache: str | DynamicKVCache | StaticKVCache = "static", temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
