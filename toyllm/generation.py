@@ -206,6 +206,9 @@ def generate(model, prompt_ids: list[int] | list[list[int]], max_new_tokens: int
     eos_id: a sequence stops after producing this token (a batch runs until
     every sequence has stopped). on_token(id) is called for each new token as
     soon as it exists (streaming; one prompt only).
+    It runs in ``torch.inference_mode``, which makes each operator call
+    cheaper than under ``no_grad``; the logits it returns are inference
+    tensors: read them freely, ``.clone()`` one before writing into it.
     """
     prompts, single = _as_batch(prompt_ids)
     _check_request(model, prompts, max_new_tokens, method, cache, prefilled_logits, on_token)
