@@ -236,6 +236,9 @@ def bench_search(quick: bool = False) -> dict:
     cfg, spec = get_config("bench"), ModelSpec("bench")
     repeats = 1 if quick else 3
     warm = 1 if quick else 2      # as in the prefill section: a second warm-up steadies the timed runs
+    # The accuracy table's rows get more runs than a search's evaluations: a 2048-token run here takes
+    # about 0.25 s and stalls now and then by a fifth, and a median of 3 lets two such runs decide a row.
+    accuracy_repeats = 1 if quick else 7
     sizes = (1024, 2048, 4096) if not quick else (256, 512)
     # In a process of its own: with the heap kept resident, this one would hold the block's gigabytes of
     # scores through the 8192-token runs below, and those need all the memory there is.
@@ -262,7 +265,7 @@ def bench_search(quick: bool = False) -> dict:
                 chunks = partition_from_ratios(C, [ratio, 1 - ratio])
                 sim, sim_block = (simulate_prefill(cfg, chunks, method, m, record_events=False).ttft_s
                                   for m in (cm, block))
-                real = spread(parallel_prefill(spec, ids, method, 2, chunks, repeat=repeats, warmup=warm,
+                real = spread(parallel_prefill(spec, ids, method, 2, chunks, repeat=accuracy_repeats, warmup=warm,
                                                pool=pool).ttft_runs)
                 accuracy.append({"context": C, "method": method, "chunks": chunks, "sim": sim, "real": real.median,
                                  "sim_block": sim_block, "runs": real})
@@ -311,7 +314,7 @@ def bench_search(quick: bool = False) -> dict:
                   "low": min(r), "high": max(r), "fit": link.predict_s(n)}
                  for n, m, r in zip(link.sizes_bytes, link.median_s, link.runs_s)]
     return {"cm": cm, "block": block, "link": link, "link_rows": link_rows,
-            "repeats": repeats, "warm": warm, "accuracy": accuracy, "max_error": max(errors),
+            "repeats": repeats, "accuracy_repeats": accuracy_repeats, "warm": warm, "accuracy": accuracy, "max_error": max(errors),
             "median_error": statistics.median(errors), "block_max_error": max(block_errors),
             "block_median_error": statistics.median(block_errors), "searches": searches, "target": target,
             "table_contexts": list(table_contexts), "t_p": t_p, "t_s": t_s, "p_vs_s": p_vs_s,
