@@ -173,7 +173,7 @@ def test_decode_bytes_per_token_counts_weights_embedding_row_and_kv():
 def test_the_weights_and_batched_sections_render_their_verdicts_from_the_numbers():
     from toyllm.bench import add_floor_figures, render_section
     from toyllm.bench_decode import BLOG_TOY
-    from toyllm.measure import compare
+    from toyllm.measure import compare, spread
 
     fp32_runs = [0.099, 0.101]                   # seconds per token, round by round
     rows = [add_floor_figures({"format": f, "kernel": "k", "bytes_per_token": b, "linear_bytes": b, "tokens_per_s": t,
@@ -204,11 +204,28 @@ def test_the_weights_and_batched_sections_render_their_verdicts_from_the_numbers
     text = render_section("weights", {**weights, "rows": [slower], "best": slower})
     assert "even a step that did nothing else would reach 60% of the floor, so with this kernel" in text
     assert "The rest adds 50.00 ms over 1000 operator calls, about 50.0 us per call." in text
+    # the copies ran at several speeds: out of reach only if even the slowest round's floor keeps it below
+    varied = {**weights, "bandwidth_runs": [0.95e9, 1e9, 1.6e9]}
+    text = render_section("weights", {**varied, "rows": [slower], "best": add_floor_figures(dict(slower), 1e9, 0.95e9)})
+    assert "reach 60% of the floor (63% against the slowest round's copy, 0.9 GB/s, the floor most in its favour)" in text
+    assert "out of reach" in text and "Bandwidth measured at the start of every round" in text and "[0.9-1.6]" in text
+    text = render_section("weights", {**varied, "rows": [slower], "best": add_floor_figures(dict(slower), 1e9, 0.8e9)})
+    assert "out of reach" not in text and "would allow 60%" in text
     assert "No format answered" in render_section("weights", {**weights, "best": None})
-    batched = {"prompts": 10, "prompt_len": 50, "new_tokens": 100, "config": BLOG_TOY.to_dict(), "threads": 2,
-               "naive_s": 3.0, "cached_s": 0.25, "speedup": 12.0, "identical": True}
-    assert "| 10 x 50 | 3.00 | 0.25 | 12.0x | True |" in render_section("batched", batched)
-    assert "12.00x faster than recomputing" in render_section("batched", batched)
+    def batched(naive_runs, cached_runs):
+        naive, cached = spread(naive_runs), spread(cached_runs)
+        return render_section("batched", {
+            "prompts": 10, "prompt_len": 50, "new_tokens": 100, "config": BLOG_TOY.to_dict(), "threads": 2,
+            "naive": naive, "cached": cached, "naive_s": naive.median, "cached_s": cached.median,
+            "speedup": naive.median / cached.median, "identical": True,
+            "round_speedups": [a / b for a, b in zip(naive_runs, cached_runs)]})
+
+    text = batched([3.0, 2.9, 3.3], [0.25, 0.24, 0.26])
+    assert "| 10 x 50 | 3.00 [2.90-3.30] | 0.25 [0.24-0.26] | 12.0x | 12.0-12.7x | True |" in text
+    assert "12.00x faster than recomputing" in text and "target (the blog measured 22x" in text
+    assert "is missed in every round" in text
+    assert "met in every round" in batched([5.0, 5.2, 5.4], [0.24, 0.25, 0.26])
+    assert "met in some rounds and missed in others" in batched([4.0, 5.2, 5.4], [0.24, 0.25, 0.26])
 
 
 @pytest.mark.parametrize("weights, exact", [("bf16", True), ("int8", True), ("fp16", False)])

@@ -526,15 +526,18 @@ def bench_attention(quick: bool = False, contexts: tuple[int, ...] | None = None
 FLOOR_TARGET = 0.65   # the decode target: the fastest format that answers Paris at this share of its floor's speed
 
 
-def add_floor_figures(row: dict, bandwidth: float) -> dict:
+def add_floor_figures(row: dict, bandwidth: float, lowest_bandwidth: float | None = None) -> dict:
     """Add to a row of ``smollm2_formats`` its floor and where its step goes, given the bandwidth (bytes/s):
     floor_tokens_per_s, rest_s (seconds per token outside the weight products), products_bytes_per_s
     (the products' read rate) and products_floor_share (the share of the floor's speed a step would
-    reach if nothing but its products took time). Returns the row."""
+    reach if nothing but its products took time); products_floor_share_best is that share against
+    ``lowest_bandwidth`` (the slowest round's copy: the floor most in the format's favour). Returns the row."""
     row["floor_tokens_per_s"] = bandwidth / row["bytes_per_token"]
     row["rest_s"] = 1 / row["tokens_per_s"] - row["products_s"]
     row["products_bytes_per_s"] = row["linear_bytes"] / row["products_s"]
     row["products_floor_share"] = 1 / (row["floor_tokens_per_s"] * row["products_s"])
+    lowest = bandwidth if lowest_bandwidth is None else lowest_bandwidth
+    row["products_floor_share_best"] = row["bytes_per_token"] / (lowest * row["products_s"])
     return row
 
 
@@ -545,7 +548,7 @@ def bench_weights(quick: bool = False) -> dict:
     data = smollm2_formats(new_tokens=16 if quick else 32, rounds=2 if quick else 5, bandwidth=True)
     bandwidth = statistics.median(data["bandwidth_runs"])
     for row in data["rows"]:
-        add_floor_figures(row, bandwidth)
+        add_floor_figures(row, bandwidth, min(data["bandwidth_runs"]))
         _progress({k: v for k, v in row.items()
                    if k in ("format", "tokens_per_s", "floor_tokens_per_s", "products_s", "calls_per_step")})
     data["at_floor"] = [r["format"] for r in data["rows"] if r["tokens_per_s"] >= r["floor_tokens_per_s"]]
@@ -557,28 +560,36 @@ def bench_weights(quick: bool = False) -> dict:
 
 
 def bench_batched(quick: bool = False) -> dict:
-    """The KV-cache blog's experiment: a batch of prompts on its toy's shape, naive vs cached (seconds, one run).
+    """The KV-cache blog's experiment: a batch of prompts on its toy's shape, naive vs cached (seconds).
 
     Both methods use the dense kernel, the course's default and the blog's
     own attention (all of QK^T, then the causal mask); naive's score tensor
-    reaches (prompts, 1, 150, 150), 900 MB in float32 at 10000 prompts.
-    quick: 500 prompts instead of 10000.
+    reaches (prompts, 1, 150, 150), 900 MB in float32 at 10000 prompts, so
+    its speed follows the memory's, which on a shared machine moves from
+    minute to minute: the two take turns for 3 rounds, and each round's
+    ratio (naive over the cached run of the same round) is kept.
+    quick: 500 prompts, one round.
     """
     from .bench_decode import BLOG_NEW_TOKENS, BLOG_PROMPT_LEN, BLOG_PROMPTS, BLOG_TOY
     from .generation import generate
+    from .measure import interleaved_runs, spread
 
     n = 500 if quick else BLOG_PROMPTS
     prompts = torch.randint(0, BLOG_TOY.vocab_size, (n, BLOG_PROMPT_LEN), generator=torch.Generator().manual_seed(0))
     model = build_model(BLOG_TOY, attention="dense")
-    seconds, outs = {}, {}
-    for method in ("naive", "cached"):
-        t0 = time.perf_counter()
+    outs = {}
+
+    def run(method):
         outs[method] = [r.output_ids for r in generate(model, prompts, BLOG_NEW_TOKENS, method=method)]
-        seconds[method] = time.perf_counter() - t0
+
+    runs = interleaved_runs({m: (lambda m=m: run(m)) for m in ("naive", "cached")}, 1 if quick else 3, warmup=0)
+    naive, cached = spread(runs["naive"]), spread(runs["cached"])
     row = {"prompts": n, "prompt_len": BLOG_PROMPT_LEN, "new_tokens": BLOG_NEW_TOKENS, "config": BLOG_TOY.to_dict(),
-           "threads": torch.get_num_threads(), "naive_s": seconds["naive"], "cached_s": seconds["cached"],
-           "speedup": seconds["naive"] / seconds["cached"], "identical": outs["naive"] == outs["cached"]}
-    _progress({k: v for k, v in row.items() if k != "config"})
+           "threads": torch.get_num_threads(), "naive": naive, "cached": cached, "naive_s": naive.median,
+           "cached_s": cached.median, "speedup": naive.median / cached.median,
+           "round_speedups": [a / b for a, b in zip(runs["naive"], runs["cached"])],
+           "identical": outs["naive"] == outs["cached"]}
+    _progress({k: v for k, v in row.items() if k not in ("config", "naive", "cached")})
     return row
 
 
