@@ -564,10 +564,10 @@ def bench_batched(quick: bool = False) -> dict:
 
     Both methods use the dense kernel, the course's default and the blog's
     own attention (all of QK^T, then the causal mask); naive's score tensor
-    reaches (prompts, 1, 150, 150), 900 MB in float32 at 10000 prompts, so
-    its speed follows the memory's, which on a shared machine moves from
-    minute to minute: the two take turns for 3 rounds, and each round's
-    ratio (naive over the cached run of the same round) is kept.
+    reaches (prompts, 1, 150, 150), 900 MB in float32 at 10000 prompts.
+    One run each would let a slow spell of the shared machine decide the
+    ratio: the two take turns for 3 rounds, and each round's ratio (naive
+    over the cached run of the same round) is kept.
     quick: 500 prompts, one round.
     """
     from .bench_decode import BLOG_NEW_TOKENS, BLOG_PROMPT_LEN, BLOG_PROMPTS, BLOG_TOY
