@@ -45,7 +45,8 @@ def ensure_resident_heap(argv: list[str]) -> None:
 
 def naive_vs_cached(model, prompt_len: int = 64, new_tokens: int = 256, rounds: int = 3, seed: int = 0) -> dict:
     """Time a greedy generation both ways on the same random prompt (seconds), the two taking turns for
-    ``rounds`` rounds after a warm-up round; "verdict" is the cache's, against naive (``measure.compare``)."""
+    ``rounds`` rounds after a warm-up round; "verdict" is the cache's, against naive (``measure.compare``);
+    "round_speedups" each round's naive run over its cached run."""
     from .generation import generate
     from .measure import compare, interleaved_runs, spread
 
@@ -59,6 +60,7 @@ def naive_vs_cached(model, prompt_len: int = 64, new_tokens: int = 256, rounds: 
     naive, cached = spread(runs["naive"]), spread(runs["cached"])
     return {"prompt_len": prompt_len, "new_tokens": new_tokens, "naive": naive, "cached": cached,
             "naive_s": naive.median, "cached_s": cached.median, "speedup": naive.median / cached.median,
+            "round_speedups": [a / b for a, b in zip(runs["naive"], runs["cached"])],
             "verdict": compare(cached, naive), "identical": outs["naive"] == outs["cached"]}
 
 
@@ -699,13 +701,23 @@ def _verdict(value: float, target: float) -> str:
     return "meets" if value >= target else "does not meet"
 
 
+def _rounds_verdict(ratios: list[float], target: float) -> str:
+    """A target judged on each round's ratio: met or missed in every round, else a tie with it."""
+    if min(ratios) >= target:
+        return "met in every round"
+    if max(ratios) < target:
+        return "missed in every round"
+    return f"met in some rounds and missed in others: at {target:g}x within the spread of this machine"
+
+
 @functools.lru_cache(maxsize=1)
 def _template():
     import jinja2
 
     env = jinja2.Environment(loader=jinja2.PackageLoader("toyllm", "templates"), undefined=jinja2.StrictUndefined,
                              trim_blocks=False, keep_trailing_newline=True)
-    env.filters.update(than=_than, verdict=_verdict, median=statistics.median, runs=_runs, short=_short)
+    env.filters.update(than=_than, verdict=_verdict, rounds_verdict=_rounds_verdict, median=statistics.median,
+                       runs=_runs, short=_short)
     return env.get_template("benchmarks.md.j2")
 
 
