@@ -15,7 +15,9 @@ import torch
 from toyllm import generate
 from toyllm.launch import WorkerError, WorkerPool, free_port
 from toyllm.generation import random_prompt
-from toyllm.parallel import LinkModel, ModelSpec, parallel_prefill, single_prefill
+from toyllm.parallel import LinkModel, ModelSpec, measure_link, parallel_prefill, single_prefill
+from toyllm.parallel.link import fit_link
+from toyllm.simulate import CostModel
 from workers_for_tests import failing_step
 
 ATOL = 1e-4
@@ -320,11 +322,6 @@ def test_smollm2_at_its_full_8k_context_with_the_causal_kernel(smollm2, pools):
 
 
 # --------------------------------------------------------------------------- the measured link and a cost model fitted to real runs
-
-from toyllm.parallel import measure_link  # noqa: E402
-from toyllm.parallel.link import fit_link  # noqa: E402
-from toyllm.simulate import CostModel  # noqa: E402
-
 
 def test_the_link_fit_recovers_bandwidth_and_latency():
     sizes = [4096 * 4 ** k for k in range(6)]

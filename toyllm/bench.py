@@ -26,6 +26,7 @@ from .launch import WorkerPool, run_parallel
 from .model import ModelConfig, build_model, get_config
 from .utils import random_prompt
 from .parallel import ModelSpec, measured_cost, parallel_prefill
+from .timeline import Event
 
 # glibc gives big freed blocks back to the OS at once; on this kind of VM the
 # page faults of mapping them again can double a timing. These settings keep
@@ -45,21 +46,31 @@ def ensure_resident_heap(argv: list[str]) -> None:
 
 def naive_vs_cached(model, prompt_len: int = 64, new_tokens: int = 256, rounds: int = 3, seed: int = 0) -> dict:
     """Time a greedy generation both ways on the same random prompt (seconds), the two taking turns for
-    ``rounds`` rounds after a warm-up round; "verdict" is the cache's, against naive (``measure.compare``);
-    "round_speedups" each round's naive run over its cached run."""
+    ``rounds`` rounds after a warm-up round (``time_naive_and_cached``)."""
+    ids = random_prompt(prompt_len, model.config.vocab_size, seed)
+    return {"prompt_len": prompt_len, "new_tokens": new_tokens,
+            **time_naive_and_cached(model, ids, new_tokens, rounds, warmup=1)}
+
+
+def time_naive_and_cached(model, prompts, new_tokens: int, rounds: int, warmup: int) -> dict:
+    """Greedy generation of ``prompts`` (one prompt or a batch, as ``generate`` takes them) both ways, the
+    two taking turns for ``rounds`` rounds after ``warmup`` untimed ones. Returns each method's runs
+    ("naive", "cached": ``measure.spread``) and medians (seconds), the medians' "speedup", "round_speedups"
+    (each round's naive run over its cached run), the cache's "verdict" against naive (``measure.compare``)
+    and whether both produced the same tokens."""
     from .generation import generate
     from .measure import compare, interleaved_runs, spread
 
-    ids = random_prompt(prompt_len, model.config.vocab_size, seed)
     outs = {}
 
     def run(method):
-        outs[method] = generate(model, ids, new_tokens, method=method).output_ids
+        result = generate(model, prompts, new_tokens, method=method)
+        outs[method] = [r.output_ids for r in result] if isinstance(result, list) else result.output_ids
 
-    runs = interleaved_runs({"naive": lambda: run("naive"), "cached": lambda: run("cached")}, rounds, warmup=1)
+    runs = interleaved_runs({m: (lambda m=m: run(m)) for m in ("naive", "cached")}, rounds, warmup=warmup)
     naive, cached = spread(runs["naive"]), spread(runs["cached"])
-    return {"prompt_len": prompt_len, "new_tokens": new_tokens, "naive": naive, "cached": cached,
-            "naive_s": naive.median, "cached_s": cached.median, "speedup": naive.median / cached.median,
+    return {"naive": naive, "cached": cached, "naive_s": naive.median, "cached_s": cached.median,
+            "speedup": naive.median / cached.median,
             "round_speedups": [a / b for a, b in zip(runs["naive"], runs["cached"])],
             "verdict": compare(cached, naive), "identical": outs["naive"] == outs["cached"]}
 
@@ -316,7 +327,8 @@ def bench_search(quick: bool = False) -> dict:
                   "low": min(r), "high": max(r), "fit": link.predict_s(n)}
                  for n, m, r in zip(link.sizes_bytes, link.median_s, link.runs_s)]
     return {"cm": cm, "block": block, "link": link, "link_rows": link_rows,
-            "repeats": repeats, "accuracy_repeats": accuracy_repeats, "warm": warm, "accuracy": accuracy, "max_error": max(errors),
+            "repeats": repeats, "accuracy_repeats": accuracy_repeats, "warm": warm, "accuracy": accuracy,
+            "max_error": max(errors),
             "median_error": statistics.median(errors), "block_max_error": max(block_errors),
             "block_median_error": statistics.median(block_errors), "searches": searches, "target": target,
             "table_contexts": list(table_contexts), "t_p": t_p, "t_s": t_s, "p_vs_s": p_vs_s,
@@ -382,15 +394,14 @@ def time_split(result) -> dict:
     """
     kinds = {"qkv": "projections", "attention": "attention", "mlp": "mlp", "recv_wait": "waiting",
              "allgather": "waiting", "send_wait": "waiting", "send": "sending"}
-    ranks = []
-    for rank in range(result.world_size):
-        seconds = dict.fromkeys(["projections", "attention", "mlp", "waiting", "sending"], 0.0)
-        for e in result.timeline:
-            key = e["label"] if e["kind"] == "compute" else e["kind"]
-            if e["rank"] == rank and key in kinds:
-                seconds[kinds[key]] += e["end_s"] - e["start_s"]
+    ranks = [dict.fromkeys(["projections", "attention", "mlp", "waiting", "sending"], 0.0)
+             for _ in range(result.world_size)]
+    for e in map(Event.from_dict, result.timeline):
+        key = e.label if e.kind == "compute" else e.kind
+        if key in kinds:
+            ranks[e.rank][kinds[key]] += e.duration_s
+    for seconds in ranks:
         seconds["compute"] = seconds["projections"] + seconds["attention"] + seconds["mlp"]
-        ranks.append(seconds)
     return {"ttft": result.ttft_s, "ranks": ranks, "partition": result.partition,
             "imbalance": max(r["compute"] for r in ranks) - min(r["compute"] for r in ranks),
             "compute": sum(r["compute"] for r in ranks), "waiting": max(r["waiting"] for r in ranks)}
@@ -537,7 +548,8 @@ def add_floor_figures(row: dict, bandwidth: float, lowest_bandwidth: float | Non
     row["floor_tokens_per_s"] = bandwidth / row["bytes_per_token"]
     row["rest_s"] = 1 / row["tokens_per_s"] - row["products_s"]
     row["products_bytes_per_s"] = row["linear_bytes"] / row["products_s"]
-    row["products_floor_share"] = 1 / (row["floor_tokens_per_s"] * row["products_s"])
+    # the floor's seconds over the products' seconds, at the median bandwidth and at the lowest
+    row["products_floor_share"] = row["bytes_per_token"] / (bandwidth * row["products_s"])
     lowest = bandwidth if lowest_bandwidth is None else lowest_bandwidth
     row["products_floor_share_best"] = row["bytes_per_token"] / (lowest * row["products_s"])
     return row
@@ -547,7 +559,7 @@ def bench_weights(quick: bool = False) -> dict:
     """SmolLM2 decode tokens/s per weight format beside the memory-bandwidth floor (lesson 03's roofline)."""
     from .bench_decode import smollm2_formats
 
-    data = smollm2_formats(new_tokens=16 if quick else 32, rounds=2 if quick else 5, bandwidth=True)
+    data = smollm2_formats(new_tokens=16 if quick else 32, rounds=2 if quick else 5, floor=True)
     bandwidth = statistics.median(data["bandwidth_runs"])
     for row in data["rows"]:
         add_floor_figures(row, bandwidth, min(data["bandwidth_runs"]))
@@ -573,25 +585,14 @@ def bench_batched(quick: bool = False) -> dict:
     quick: 500 prompts, one round.
     """
     from .bench_decode import BLOG_NEW_TOKENS, BLOG_PROMPT_LEN, BLOG_PROMPTS, BLOG_TOY
-    from .generation import generate
-    from .measure import interleaved_runs, spread
 
     n = 500 if quick else BLOG_PROMPTS
     prompts = torch.randint(0, BLOG_TOY.vocab_size, (n, BLOG_PROMPT_LEN), generator=torch.Generator().manual_seed(0))
     model = build_model(BLOG_TOY, attention="dense")
-    outs = {}
-
-    def run(method):
-        outs[method] = [r.output_ids for r in generate(model, prompts, BLOG_NEW_TOKENS, method=method)]
-
-    runs = interleaved_runs({m: (lambda m=m: run(m)) for m in ("naive", "cached")}, 1 if quick else 3, warmup=0)
-    naive, cached = spread(runs["naive"]), spread(runs["cached"])
     row = {"prompts": n, "prompt_len": BLOG_PROMPT_LEN, "new_tokens": BLOG_NEW_TOKENS, "config": BLOG_TOY.to_dict(),
-           "threads": torch.get_num_threads(), "naive": naive, "cached": cached, "naive_s": naive.median,
-           "cached_s": cached.median, "speedup": naive.median / cached.median,
-           "round_speedups": [a / b for a, b in zip(runs["naive"], runs["cached"])],
-           "identical": outs["naive"] == outs["cached"]}
-    _progress({k: v for k, v in row.items() if k not in ("config", "naive", "cached")})
+           "threads": torch.get_num_threads(),
+           **time_naive_and_cached(model, prompts, BLOG_NEW_TOKENS, 1 if quick else 3, warmup=0)}
+    _progress({k: v for k, v in row.items() if k not in ("config", "naive", "cached", "verdict")})
     return row
 
 

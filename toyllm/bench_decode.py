@@ -75,26 +75,29 @@ def weight_products(model):
 
 
 def smollm2_formats(formats=WEIGHT_FORMATS, new_tokens: int = 32, rounds: int = 3, prompt: str = CHAT_PROMPT,
-                    answer_tokens: int = 48, attention: str = "dense", bandwidth: bool = False) -> dict:
+                    answer_tokens: int = 48, attention: str = "dense", floor: bool = False) -> dict:
     """Decode tokens/s of SmolLM2 per weight format, formats alternating round by round.
 
     Each round generates ``new_tokens`` greedy tokens after the chat prompt with
     every format in turn; a format's speed is 1 / (median seconds per token
     after the first), and its reported value is the median over rounds.
-    In the same rounds, right after each format's generation, its weight
-    products alone (``weight_products``) are timed: "products_runs_s" holds
-    each round's median seconds of 5 runs, and "products_s" their median.
-    "calls_per_step": the operator calls a decode step makes from Python
-    (torch.profiler, one step).
     "kernel": what the layers' weight products run on (``quant.linear_kernel``).
     "vs_fp32": the format's verdict against the first format (float32),
     from the rounds (``measure.compare``). Also records whether each
     format's greedy answer (up to ``answer_tokens``, stopping at end of
     turn) names Paris and equals float32's.
     attention: the model's attention kernel, the same for every format.
-    bandwidth: also measure the memory bandwidth (``copy_bandwidth``) at the
-    start of every round, as "bandwidth_runs" (bytes/s): on a shared machine
-    it moves from minute to minute, and with it the floor.
+    floor: also measure what a comparison with the memory floor needs (the
+    benchmark's weights section; the demo skips it):
+    - "bandwidth_runs" (bytes/s): ``copy_bandwidth`` at the start of every
+      round; on a shared machine it moves from minute to minute, and with it
+      the floor;
+    - per row, "products_runs_s" and "products_s": in the same rounds, right
+      after each format's generation, its weight products alone
+      (``weight_products``), each round's median seconds of 5 runs, and
+      their median;
+    - per row, "calls_per_step": the operator calls a decode step makes from
+      Python (torch.profiler).
     """
     from .weights import load_model
 
@@ -103,16 +106,17 @@ def smollm2_formats(formats=WEIGHT_FORMATS, new_tokens: int = 32, rounds: int = 
         models[fmt], tokenizer = load_model("smollm2-135m", attention=attention, weights=fmt)
     ids = tokenizer.encode_chat(prompt)
     answers = {fmt: generate(m, ids, answer_tokens, eos_id=tokenizer.eos_id).output_ids for fmt, m in models.items()}
-    products = {fmt: weight_products(m) for fmt, m in models.items()}
+    products = {fmt: weight_products(m) for fmt, m in models.items()} if floor else {}
     tpot = {fmt: [] for fmt in formats}
     products_s = {fmt: [] for fmt in formats}
     bandwidth_runs = []
     for _ in range(rounds):
-        if bandwidth:
+        if floor:
             bandwidth_runs.append(copy_bandwidth())
         for fmt, m in models.items():
             tpot[fmt].append(generate(m, ids, new_tokens).tpot_s)
-            products_s[fmt].append(median_time(products[fmt], 5)[0])
+            if floor:
+                products_s[fmt].append(median_time(products[fmt], 5)[0])
     context = len(ids) + new_tokens // 2
     rows = []
     for fmt, m in models.items():
@@ -120,12 +124,13 @@ def smollm2_formats(formats=WEIGHT_FORMATS, new_tokens: int = 32, rounds: int = 
         text = tokenizer.decode(answers[fmt], skip_special_tokens=True)
         rows.append({"format": fmt, "kernel": linear_kernel(m), "bytes_per_token": decode_bytes_per_token(m, context),
                      "linear_bytes": linear_weight_bytes(m), "tokens_per_s": 1 / seconds, "runs_s": tpot[fmt],
-                     "products_s": statistics.median(products_s[fmt]), "products_runs_s": products_s[fmt],
-                     "calls_per_step": profile_decode_step(m, len(ids), steps=2)["top_level_calls"],
                      "vs_fp32": compare(tpot[fmt], tpot[formats[0]]),
                      "answer": text, "paris": "Paris" in text, "same_as_fp32": answers[fmt] == answers[formats[0]]})
+        if floor:
+            rows[-1].update(products_s=statistics.median(products_s[fmt]), products_runs_s=products_s[fmt],
+                            calls_per_step=profile_decode_step(m, len(ids), steps=2)["top_level_calls"])
     return {"prompt_len": len(ids), "new_tokens": new_tokens, "rounds": rounds, "attention": attention, "rows": rows,
-            **({"bandwidth_runs": bandwidth_runs} if bandwidth else {})}
+            **({"bandwidth_runs": bandwidth_runs} if floor else {})}
 
 
 def demo_decode_speed(formats=("fp32", "fp16", "bf16", "int8"), out=None) -> dict:

@@ -313,7 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--min-stride", type=int, default=None,
                    help="finest boundary step in tokens, 1 to the context (default C/256)")
     s.add_argument("--repeat", type=int, default=None, help="measured cost: timed runs per partition (default 2)")
-    s.add_argument("--cost-model", default=None, help="simulated cost: CostModel JSON (default: calibrate now and measure the link)")
+    s.add_argument("--cost-model", default=None,
+                   help="simulated cost: CostModel JSON (default: calibrate now and measure the link)")
     s.add_argument("--bandwidth", type=float, default=None, help="link bandwidth in GB/s (simulated link)")
     s.add_argument("--table", default=None, help="add the results to this partition table (JSON; created if missing)")
     s.add_argument("--json", action="store_true")

@@ -33,7 +33,7 @@ from .runner import (METHODS, ModelSpec, PrefillResult, check_prefill_request, m
 from .steps import (TSP_BALANCES, RankPositions, default_step, kvr_layer, kvr_layer_blocking, tsp_layer,
                     tsp_trimmed_layer, tsp_zigzag_layer)
 
-__all__ = ["AllGather", "Chain", "LinkModel", "LinkMeasurement", "measure_link", "METHODS", "ModelSpec", "PrefillResult", "check_prefill_request",
-           "measured_cost", "parallel_prefill", "prefill_rank", "single_prefill", "torchrun_main",
+__all__ = ["AllGather", "Chain", "LinkModel", "LinkMeasurement", "measure_link", "METHODS", "ModelSpec",
+           "PrefillResult", "check_prefill_request", "measured_cost", "parallel_prefill", "prefill_rank", "single_prefill", "torchrun_main",
            "TSP_BALANCES", "RankPositions", "default_step", "kvr_layer", "kvr_layer_blocking", "tsp_layer",
            "tsp_trimmed_layer", "tsp_zigzag_layer"]
