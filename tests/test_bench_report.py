@@ -288,6 +288,31 @@ def test_search_section_shows_the_measured_link_and_both_cost_models():
             "runs, 1.000 [0.750-1.020] s, so the error is one this machine cannot resolve). One Block") in bad
 
 
+def test_search_section_shows_what_key_counts_off_a_multiple_of_8_cost():
+    from toyllm.measure import compare, spread
+
+    d = _search([0.08, -0.03])
+    d["cm"] = d["cm"].with_(attn_unaligned_s_per_dot=5e-9)
+    per_pair = {4096: [3.0e-9, 3.1e-9, 3.2e-9], 4098: [4.4e-9, 4.5e-9, 4.6e-9], 4104: [3.0e-9, 3.4e-9, 3.5e-9]}
+    d["scores_alignment"] = [{"keys": S, "queries": 2048, "aligned": S % 8 == 0, "per_pair": spread(r),
+                              "reference": 4096 if S < 4104 else 4104,
+                              "vs_reference": None if S % 8 == 0 else compare(per_pair[4096], r)}
+                             for S, r in per_pair.items()]
+    d["ragged"] = {"chunks": [5734, 2458], "aligned_chunks": [5736, 2456], "sim": {"ragged": 3.9, "aligned": 3.5},
+                   "verdict": compare([3.6, 3.64, 3.7], [4.05, 4.1, 4.2])}
+    text = render_section("search", d)
+    assert "25.000 ns per query-key pair, 5.000 ns more (+20%) when the rank's key count is not a multiple of 8" in text
+    assert "| 4096 | yes | 3.10 [3.00-3.20] | - |" in text
+    assert "| 4098 | no | 4.50 [4.40-4.60] | 4096 keys: 1.45x as costly per pair |" in text
+    assert "| 4104 | yes | 3.40 [3.00-3.50] | - |" in text
+    assert ("In a real run at 8192 tokens, the table's last split and its nearest neighbour with a first chunk that "
+            "is a multiple of 8 took turns for 3 rounds: KVR [5736, 2456] 3.640 s [3.600-3.700 s] vs KVR [5734, 2458] "
+            "4.100 s [4.050-4.200 s]: KVR [5736, 2456] is 1.13x faster. The fitted model gives 3.500 s and 3.900 s.") in text
+    # Without the measurements (an older report's data) the paragraph is left out, and so is a zero surcharge.
+    plain = render_section("search", _search([0.08, -0.03]))
+    assert "Key counts that are not a multiple of 8" not in plain and "ns more (" not in plain
+
+
 def test_time_split_sums_each_ranks_timeline_by_what_it_was_doing():
     from types import SimpleNamespace
 

@@ -273,10 +273,10 @@ def _fake_run(method, chunks, cm_true, attention="dense", stall=None):
     events, C = [], sum(chunks)
     for rank, c in enumerate(chunks):
         s = sum(chunks[:rank])
-        pairs = cm_true.pairs(c, s, C if method == "tsp" else s + c)
         t = 0.0
         for layer in range(BENCH.n_layers):
-            for label, seconds in (("qkv", cm_true.qkv_s_per_token * c), ("attention", cm_true.attn_s_per_dot * pairs),
+            attend_s = cm_true.attention_s(c, s, C if method == "tsp" else s + c)
+            for label, seconds in (("qkv", cm_true.qkv_s_per_token * c), ("attention", attend_s),
                                    ("mlp", cm_true.mlp_s_per_token * c)):
                 seconds *= 100 if stall == (rank, layer, label) else 1
                 events.append({"rank": rank, "kind": "compute", "start_s": t, "end_s": t + seconds,
@@ -308,6 +308,44 @@ def test_fit_runs_recovers_the_coefficients_behind_the_timelines(attention, pair
         spans = sum(e["end_s"] - e["start_s"] for e in runs[1].timeline
                     if e["rank"] == rank and e["kind"] == "compute" and e["layer"] is not None)
         assert rank_kind_seconds(sim, rank, "compute") == pytest.approx(spans, rel=1e-9)
+
+
+def test_attention_costs_more_per_pair_when_the_key_count_is_not_a_multiple_of_the_alignment():
+    cm = ATTN_ONLY.with_(attn_unaligned_s_per_dot=0.5e-6)          # 1 us per pair, 1.5 us when ragged
+    assert cm.attention_s(8, 0, 8) == pytest.approx(64 * 1e-6)
+    assert cm.attention_s(6, 0, 6) == pytest.approx(36 * 1.5e-6)
+    assert cm.attention_s(6, 10, 16) == pytest.approx(96 * 1e-6)   # 16 keys: aligned, whatever the chunk
+    assert cm.with_(key_alignment=32).attention_s(6, 10, 16) == pytest.approx(96 * 1.5e-6)
+    # The simulator charges it: two tokens moved between ranks change the rank's time by far more than 2 tokens' worth.
+    ragged, even = (simulate_prefill(BENCH, ch, "kvr", cm.with_(link_latency_s=0.0)).ttft_s
+                    for ch in ([94, 34], [96, 32]))
+    assert ragged > 1.3 * even       # rank 0 ends about 94^2 * 1.5 / 96^2 = 1.44x later
+    for bad in (0, -8, 2.5, True):
+        with pytest.raises(ValueError, match="key_alignment"):
+            cm.with_(key_alignment=bad)
+    with pytest.raises(ValueError, match="attn_unaligned_s_per_dot"):
+        cm.with_(attn_unaligned_s_per_dot=-1e-9)
+
+
+def test_fit_runs_learns_what_ragged_key_counts_cost_with_the_dense_kernel():
+    truth = CPU_LIKE.with_(layer_overhead_s=0.0, attn_unaligned_s_per_dot=0.3 * CPU_LIKE.attn_s_per_dot)
+    chunks = [[600, 400], [500, 500], [1000, 1000], [1302, 698], [1228, 820]]
+    runs = [_fake_run("kvr" if i else "tsp", ch, truth) for i, ch in enumerate(chunks)]
+    link = dict(link_bandwidth_bytes_per_s=4e9, link_latency_s=70e-6)
+    cm = CostModel.fit_runs(BENCH, runs, **link)
+    assert cm.attn_s_per_dot == pytest.approx(truth.attn_s_per_dot, rel=1e-9)
+    assert cm.attn_unaligned_s_per_dot == pytest.approx(truth.attn_unaligned_s_per_dot, rel=1e-9)
+    # Aligned to 4 instead, 500 and 1228 are whole multiples and the two kinds of span mix: the fit cannot be exact.
+    assert CostModel.fit_runs(BENCH, runs, key_alignment=4, **link).attn_s_per_dot != pytest.approx(
+        truth.attn_s_per_dot, rel=1e-3)
+    # Runs that are all aligned (or all ragged) cannot tell the two costs apart: one cost per pair, no surcharge.
+    aligned = CostModel.fit_runs(BENCH, [runs[0], runs[2]], **link)      # keys 1000, 1000 and 2000
+    assert aligned.attn_unaligned_s_per_dot == 0.0
+    assert aligned.attn_s_per_dot == pytest.approx(truth.attn_s_per_dot, rel=1e-9)
+    # A causal-aware kernel works in blocks: the surcharge is not fitted.
+    causal = truth.with_(attention_pairs="causal", attn_unaligned_s_per_dot=0.0)
+    cm = CostModel.fit_runs(BENCH, [_fake_run("kvr", ch, causal, "causal") for ch in chunks[1:]], **link)
+    assert cm.attn_unaligned_s_per_dot == 0.0 and cm.attn_s_per_dot == pytest.approx(causal.attn_s_per_dot, rel=1e-9)
 
 
 def test_fit_runs_rejects_what_it_cannot_fit():

@@ -236,6 +236,29 @@ def _calibrate_block(ctx, cfg: ModelConfig, sizes: tuple[int, ...]):
     return CostModel.calibrate(cfg, contexts=sizes, repeats=3)
 
 
+def scores_alignment(quick: bool = False, rounds: int = 5) -> list[dict]:
+    """The scores q k^T of the bench preset's heads alone, on one thread (what each rank of a p = 2 run
+    gets), for key counts that are a multiple of 8 and a few that are not: seconds per query-key pair
+    and head, the shapes taking turns, each against the multiple of 8 at or below it."""
+    from .measure import compare, interleaved_runs, spread
+
+    cfg = get_config("bench")
+    queries = 512 if quick else 2048
+    key_counts = (1024, 1026, 1028, 1032) if quick else (4096, 4097, 4098, 4100, 4104, 5733, 5734, 5736)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, cfg.n_heads, queries, cfg.head_dim, generator=g)                    # (1, H, T, D)
+    keys = {S: torch.randn(1, cfg.n_heads, S, cfg.head_dim, generator=g) for S in key_counts}  # (1, H, S, D)
+    with _threads(1), torch.inference_mode():
+        runs = interleaved_runs({S: (lambda k=k: q @ k.transpose(-2, -1)) for S, k in keys.items()}, rounds)
+    per_pair = {S: [t / (queries * S * cfg.n_heads) for t in r] for S, r in runs.items()}
+    rows = []
+    for S in key_counts:
+        below = max(A for A in key_counts if A % 8 == 0 and A <= S)       # the aligned count next to it
+        rows.append({"keys": S, "queries": queries, "aligned": S % 8 == 0, "per_pair": spread(per_pair[S]),
+                     "reference": below, "vs_reference": compare(per_pair[below], per_pair[S]) if S != below else None})
+    return rows
+
+
 def bench_search(quick: bool = False) -> dict:
     """The measured link, the cost model (fitted to real runs, and from one Block alone) vs measured TTFT,
     measured vs simulated search, KVR-P vs KVR-S, simulated 8-GPU scaling."""
@@ -270,8 +293,9 @@ def bench_search(quick: bool = False) -> dict:
                                                       pool=pool))
     cm = CostModel.fit_runs(cfg, fitted_on, **link.cost_model_fields)
     block = block.with_(**link.cost_model_fields)
-    accuracy = []
-    for C in ((1024, 2048) if quick else (2048, 4096, 8192)):
+    accuracy, ragged = [], None
+    contexts = (1024, 2048) if quick else (2048, 4096, 8192)
+    for C in contexts:
         ids = random_prompt(C, cfg.vocab_size)
         with _fresh_pool(spec, ids) as pool:                               # fresh processes per context
             for method, ratio in [("tsp", 0.5), ("kvr", 0.5), ("kvr", 0.6), ("kvr", 0.7)]:
@@ -283,6 +307,8 @@ def bench_search(quick: bool = False) -> dict:
                 accuracy.append({"context": C, "method": method, "chunks": chunks, "sim": sim, "real": real.median,
                                  "sim_block": sim_block, "runs": real})
                 _progress(accuracy[-1])
+            if C == contexts[-1]:
+                ragged = _ragged_vs_aligned(spec, cfg, ids, pool, cm, accuracy[-1]["chunks"], 2 if quick else 5, warm)
     errors = [abs(r["sim"] - r["real"]) / r["real"] for r in accuracy]
     for r, e in zip(accuracy, errors):
         r["beyond"] = e > 0.10                    # beyond the 10% target
@@ -323,10 +349,12 @@ def bench_search(quick: bool = False) -> dict:
                       (4096, 8, 300e9), (16384, 8, 10e9), (16384, 8, 1e9)]):
         r = compare_methods(LLAMA_7B, C, p, a100_like(LLAMA_7B, link_bandwidth_bytes_per_s=bw))
         scaling.append({**r, "bandwidth": bw})
+    alignment = scores_alignment(quick)        # why a ragged split costs more: the scores' product alone
     link_rows = [{"size": size_label(n), "median": m,
                   "low": min(r), "high": max(r), "fit": link.predict_s(n)}
                  for n, m, r in zip(link.sizes_bytes, link.median_s, link.runs_s)]
     return {"cm": cm, "block": block, "link": link, "link_rows": link_rows,
+            "scores_alignment": alignment, "ragged": ragged,
             "repeats": repeats, "accuracy_repeats": accuracy_repeats, "warm": warm, "accuracy": accuracy,
             "max_error": max(errors),
             "median_error": statistics.median(errors), "block_max_error": max(block_errors),
@@ -334,6 +362,23 @@ def bench_search(quick: bool = False) -> dict:
             "table_contexts": list(table_contexts), "t_p": t_p, "t_s": t_s, "p_vs_s": p_vs_s,
             "same_partition": list(predicted) == list(kvr_s),
             "gpu_label": a100_like(LLAMA_7B).label, "scaling": scaling}
+
+
+def _ragged_vs_aligned(spec, cfg, ids, pool, cm, chunks: list[int], rounds: int, warm: int) -> dict:
+    """A split whose first chunk is not a multiple of 8 tokens against the nearest one that is, in turns,
+    measured and simulated."""
+    from .measure import compare, interleaved_runs
+    from .simulate import simulate_prefill
+
+    first = 8 * round(chunks[0] / 8)
+    aligned = [first, sum(chunks) - first]
+    measure = measured_cost(spec, ids, pool, repeat=1, warmup=0)
+    runs = interleaved_runs({"ragged": lambda: measure(chunks), "aligned": lambda: measure(aligned)}, rounds,
+                            warmup=warm)
+    sim = {name: simulate_prefill(cfg, ch, "kvr", cm, record_events=False).ttft_s
+           for name, ch in (("ragged", chunks), ("aligned", aligned))}
+    return {"chunks": chunks, "aligned_chunks": aligned, "verdict": compare(runs["aligned"], runs["ragged"]),
+            "sim": sim}
 
 
 TABLE_TARGET_MAX = 4096       # tokens: the longest length the table section searches (see bench_table)

@@ -8,8 +8,10 @@ takes, with each step's duration taken from a ``CostModel``:
 
 - compute: ``qkv_s_per_token`` per token for the q, k, v projections,
   ``attn_s_per_dot`` per query-key pair for dense attention (QK^T, mask,
-  softmax, times V, all heads), ``mlp_s_per_token`` per token for o_proj and
-  the MLP, plus ``layer_overhead_s`` per layer;
+  softmax, times V, all heads), plus ``attn_unaligned_s_per_dot`` more per
+  pair when the key count is not a multiple of ``key_alignment`` (QK^T's
+  matrix product then leaves its fast path), ``mlp_s_per_token`` per token
+  for o_proj and the MLP, plus ``layer_overhead_s`` per layer;
 - network: a message of n bytes takes ``n / link_bandwidth_bytes_per_s +
   link_latency_s`` seconds, optionally slowed by random noise.
 
@@ -60,6 +62,12 @@ class CostModel:
     qkv_s_per_token: q, k, v projections (with the norm and RoPE), seconds per token per layer.
     mlp_s_per_token: everything after attention (o_proj, residuals, norm, MLP), seconds per token per layer.
     attn_s_per_dot: attention, seconds per query-key pair per layer (all heads together).
+    attn_unaligned_s_per_dot: extra seconds per pair when a rank attends over a
+    number of keys that is not a multiple of ``key_alignment`` tokens (8). The
+    scores q k^T come from a matrix product whose output rows are that many
+    floats long, and its CPU kernel is slower per pair when a row is not a
+    whole number of 8-float vectors (the benchmark's search section measures
+    by how much). 0 means the kernel does not care.
     attention_pairs: which pairs the kernel computes: "dense" (every pair of
     its rectangle, masked ones too: c_i (s_i + c_i) for KVR, c_i C for TSP) or
     "causal" (a kernel that skips masked work: only the c_i s_i + c_i (c_i + 1) / 2
@@ -79,15 +87,20 @@ class CostModel:
     bytes_per_value: int = 4
     attention_pairs: str = "dense"
     label: str = ""
+    attn_unaligned_s_per_dot: float = 0.0
+    key_alignment: int = 8
 
     def __post_init__(self):
-        for name in ("qkv_s_per_token", "mlp_s_per_token", "attn_s_per_dot", "layer_overhead_s", "link_latency_s"):
+        for name in ("qkv_s_per_token", "mlp_s_per_token", "attn_s_per_dot", "attn_unaligned_s_per_dot",
+                     "layer_overhead_s", "link_latency_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"CostModel.{name} must be a non-negative number of seconds, got {v!r}")
         bw = self.link_bandwidth_bytes_per_s
         if not (isinstance(bw, (int, float)) and bw > 0):
             raise ValueError(f"CostModel.link_bandwidth_bytes_per_s must be positive (bytes/s), got {bw!r}")
+        if isinstance(self.key_alignment, bool) or not isinstance(self.key_alignment, int) or self.key_alignment < 1:
+            raise ValueError(f"CostModel.key_alignment must be a whole number of tokens >= 1, got {self.key_alignment!r}")
         if self.bytes_per_value <= 0:
             raise ValueError(f"CostModel.bytes_per_value must be positive, got {self.bytes_per_value!r}")
         if self.attention_pairs not in ("dense", "causal"):
@@ -96,6 +109,14 @@ class CostModel:
     def pairs(self, queries: int, before: int, keys: int) -> int:
         """Query-key pairs a rank computes: ``queries`` tokens after ``before`` others, over ``keys`` keys."""
         return query_key_pairs(self.attention_pairs, queries, before, keys)
+
+    def attention_s(self, queries: int, before: int, keys: int) -> float:
+        """Seconds of one layer's attention on a rank: its pairs at ``attn_s_per_dot`` each, plus
+        ``attn_unaligned_s_per_dot`` each when ``keys`` is not a multiple of ``key_alignment``."""
+        per_pair = self.attn_s_per_dot
+        if keys % self.key_alignment:
+            per_pair += self.attn_unaligned_s_per_dot
+        return per_pair * self.pairs(queries, before, keys)
 
     def with_(self, **changes) -> "CostModel":
         """A copy with some fields changed, e.g. ``cm.with_(link_bandwidth_bytes_per_s=10e9)``."""
@@ -192,7 +213,7 @@ class CostModel:
 
     @classmethod
     def fit_runs(cls, cfg: ModelConfig, runs, *, link_bandwidth_bytes_per_s: float, link_latency_s: float,
-                 label: str = "") -> "CostModel":
+                 label: str = "", key_alignment: int = 8) -> "CostModel":
         """Fit the compute coefficients to the timelines of real parallel prefills (``PrefillResult`` s).
 
         ``calibrate`` times one Block alone in this process, with the other
@@ -210,6 +231,11 @@ class CostModel:
         chunks vary by 2x from run to run, and fits with per-layer constants
         took those swings for fixed costs of milliseconds; the long spans
         that dominate an unweighted least squares are measured best.
+        With the dense kernel, attention spans over a key count that is not a
+        multiple of ``key_alignment`` get a second coefficient,
+        ``attn_unaligned_s_per_dot`` (q k^T's matrix product is slower per
+        pair there); a causal-aware kernel works in blocks, so only its last
+        block is ragged and the term is left at 0.
         Runs must be "tsp" (not zigzag or trimmed) or "kvr", all with one
         attention kernel; the link is not in the spans, so pass it
         (``toyllm.parallel.measure_link``).
@@ -237,18 +263,26 @@ class CostModel:
                 if e.kind != "compute" or e.layer is None or e.label not in ("qkv", "attention", "mlp"):
                     continue
                 c, s = chunks[e.rank], sum(chunks[:e.rank])
-                pairs = query_key_pairs(mode, c, s, C if run.method == "tsp" else s + c)
-                spans.setdefault((e.label, c, pairs), []).append(e.duration_s)
+                keys = C if run.method == "tsp" else s + c
+                pairs = query_key_pairs(mode, c, s, keys)
+                unaligned = mode == "dense" and keys % key_alignment != 0
+                spans.setdefault((e.label, c, pairs, unaligned), []).append(e.duration_s)
         samples = {"qkv": ([], []), "attention": ([], []), "mlp": ([], [])}
-        for (step, c, pairs), seconds in spans.items():
-            samples[step][0].append([pairs if step == "attention" else c])
+        for (step, c, pairs, unaligned), seconds in spans.items():
+            samples[step][0].append([pairs, pairs * unaligned] if step == "attention" else [c])
             samples[step][1].append(float(np.median(seconds)))
-        if any(len({tuple(r) for r in rows}) < 2 for rows, _ in samples.values()):
+        if any(len({r[0] for r in rows}) < 2 for rows, _ in samples.values()):
             raise ValueError("the runs hold too few different chunk sizes to fit: give runs with at least "
                              "two different chunk sizes, e.g. two partitions or two contexts")
-        (a,), (m,), (alpha,) = (_least_squares(*samples[step]) for step in ("qkv", "mlp", "attention"))
+        (a,), (m,) = (_least_squares(*samples[step]) for step in ("qkv", "mlp"))
+        rows, times = samples["attention"]
+        if any(r[1] for r in rows) and any(not r[1] for r in rows):
+            alpha, extra = _least_squares(rows, times)
+        else:       # all aligned or none: nothing to tell the two costs apart, so one per-pair cost
+            (alpha,), extra = _least_squares([r[:1] for r in rows], times), 0.0
         contexts = sorted({sum(r.partition) for r in runs})
         return cls(qkv_s_per_token=a, mlp_s_per_token=m, attn_s_per_dot=alpha, layer_overhead_s=0.0,
+                   attn_unaligned_s_per_dot=extra, key_alignment=key_alignment,
                    link_bandwidth_bytes_per_s=link_bandwidth_bytes_per_s, link_latency_s=link_latency_s,
                    bytes_per_value=4, attention_pairs=mode,
                    label=label or f"fitted to {len(runs)} real runs' timelines, contexts {contexts}")
@@ -435,7 +469,7 @@ def _simulate_kvr(cfg, chunks, cm: CostModel, overlap: bool, noise: LinkNoise, e
                 else:
                     r.busy("send", seconds, layer, send_label)
                     arrival[i][layer] = r.t
-            r.busy("compute", cm.attn_s_per_dot * cm.pairs(c, s, s + c), layer, lambda: f"attention {c} x {s + c}")
+            r.busy("compute", cm.attention_s(c, s, s + c), layer, lambda: f"attention {c} x {s + c}")
             r.busy("compute", cm.mlp_s_per_token * c, layer, lambda: f"o_proj + MLP of {c} tokens")
         finish.append(r.t)
     return finish
@@ -458,7 +492,7 @@ def _simulate_tsp(cfg, chunks, cm: CostModel, noise: LinkNoise, events) -> list[
         for r in ranks:
             r.wait_until("allgather", start + ring, layer, lambda: f"all-gather K,V of {C} tokens")
         for r, c, s in zip(ranks, chunks, before):
-            r.busy("compute", cm.attn_s_per_dot * cm.pairs(c, s, C), layer, lambda: f"attention {c} x {C}")
+            r.busy("compute", cm.attention_s(c, s, C), layer, lambda: f"attention {c} x {C}")
             r.busy("compute", cm.mlp_s_per_token * c, layer, lambda: f"o_proj + MLP of {c} tokens")
     return [r.t for r in ranks]
 
