@@ -292,7 +292,8 @@ def test_search_section_shows_what_key_counts_off_a_multiple_of_8_cost():
     from toyllm.measure import compare, spread
 
     d = _search([0.08, -0.03])
-    d["cm"] = d["cm"].with_(attn_unaligned_s_per_dot=5e-9)
+    d["cm"] = d["cm"].with_(attn_unaligned_s_per_dot=5e-9, allgather_bandwidth_bytes_per_s=1.2e9,
+                            allgather_latency_s=1.5e-3)
     per_pair = {4096: [3.0e-9, 3.1e-9, 3.2e-9], 4098: [4.4e-9, 4.5e-9, 4.6e-9], 4104: [3.0e-9, 3.4e-9, 3.5e-9]}
     d["scores_alignment"] = [{"keys": S, "queries": 2048, "aligned": S % 8 == 0, "per_pair": spread(r),
                               "reference": 4096 if S < 4104 else 4104,
@@ -308,9 +309,13 @@ def test_search_section_shows_what_key_counts_off_a_multiple_of_8_cost():
     assert ("In a real run at 8192 tokens, the table's last split and its nearest neighbour with a first chunk that "
             "is a multiple of 8 took turns for 3 rounds: KVR [5736, 2456] 3.640 s [3.600-3.700 s] vs KVR [5734, 2458] "
             "4.100 s [4.050-4.200 s]: KVR [5736, 2456] is 1.13x faster. The fitted model gives 3.500 s and 3.900 s.") in text
-    # Without the measurements (an older report's data) the paragraph is left out, and so is a zero surcharge.
+    gather_ms, message_ms = (4194304 / 1.2e9 + 1.5e-3) * 1e3, (4194304 / 4.3e9 + 60e-6) * 1e3
+    assert (f"one ring step costs 1.20 GB/s + 1500 us. A 4 MB piece (2048 tokens of this preset's K and V) then "
+            f"takes {gather_ms:.2f} ms, against {message_ms:.2f} ms as one message. The simulator charges TSP this.") in text
+    # Without the measurements (an older report's data) the paragraphs are left out, and so is a zero surcharge.
     plain = render_section("search", _search([0.08, -0.03]))
     assert "Key counts that are not a multiple of 8" not in plain and "ns more (" not in plain
+    assert "TSP's all-gather" not in plain
 
 
 def test_time_split_sums_each_ranks_timeline_by_what_it_was_doing():

@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from toyllm.partition import (PartitionTable, SearchResult, boundaries_from_chunks, chunks_from_boundaries,
-                              dot_products, even_partition, exhaustive_search, hierarchical_grid_search,
+from toyllm.partition import (PartitionTable, SearchResult, align_boundaries, boundaries_from_chunks,
+                              chunks_from_boundaries, dot_products, even_partition, exhaustive_search, hierarchical_grid_search,
                               kv_rows_sent, net_kvr_even, net_tsp, partition_from_ratios, prefixes,
                               search_boundary_1d, ttft_lower_bound, validate_partition)
 
@@ -293,9 +293,32 @@ def test_table_interpolates_the_papers_10k_example():
     ratios = table.predict_ratios(10240)                   # halfway between 8192 and 12288
     assert ratios == pytest.approx([0.350, 0.255, 0.210, 0.185], abs=1e-4)
     assert sum(ratios) == pytest.approx(1.0)
-    chunks = table.predict(10240)
+    chunks = table.predict(10240, multiple_of=1)
     assert sum(chunks) == 10240 and len(chunks) == 4
     assert all(abs(c - r * 10240) < 2 for c, r in zip(chunks, [0.350, 0.255, 0.210, 0.185]))
+    aligned = table.predict(10240)                         # boundaries moved by at most 4 tokens each
+    assert sum(aligned) == 10240 and all(b % 8 == 0 for b in boundaries_from_chunks(aligned)[:-1])
+    assert all(abs(a - b) <= 4 for a, b in zip(boundaries_from_chunks(aligned), boundaries_from_chunks(chunks)))
+
+
+def test_predicted_boundaries_land_on_multiples_of_8_tokens():
+    assert align_boundaries([1806, 1266]) == [1808, 1264]
+    assert align_boundaries([5734, 2458]) == [5736, 2456]
+    assert align_boundaries([1228, 820]) == [1232, 816]          # a tie (1228 = 153.5 * 8) rounds up
+    assert align_boundaries([5, 3, 4], 4) == [4, 4, 4]
+    assert align_boundaries([3, 3, 3]) == [3, 3, 3]               # every boundary would be 0 or 8: left as is
+    assert align_boundaries([1806, 1266], 1) == [1806, 1266]
+    for bad in (0, -8, 2.5):
+        with pytest.raises(ValueError, match="multiple_of"):
+            align_boundaries([8, 8], bad)
+    table = PartitionTable(2)
+    table.add(2048, [1248, 800])
+    table.add(6144, [3584, 2560])
+    unaligned = partition_from_ratios(4096, table.predict_ratios(4096))
+    assert unaligned == [2443, 1653]                               # what the rounded ratios alone give
+    assert table.predict(4096) == [2440, 1656] and table.predict(4096, multiple_of=1) == unaligned
+    assert table.predict(6144) == [3584, 2560]                     # a stored length is returned as stored
+    assert table.predict(3001)[0] % 8 == 0 and sum(table.predict(3001)) == 3001
 
 
 def test_table_exact_match_and_clamping():

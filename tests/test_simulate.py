@@ -284,6 +284,11 @@ def _fake_run(method, chunks, cm_true, attention="dense", stall=None):
                 t += seconds
             events.append({"rank": rank, "kind": "recv_wait", "start_s": t, "end_s": t + 1.0, "layer": layer,
                            "label": "recv"})                   # not compute: left out of the fit
+            if method == "tsp":                                # rank 0 also waits for rank 1 to arrive
+                gather = cm_true.allgather_step_s(2 * max(chunks) * BENCH.n_kv_heads * BENCH.head_dim * 4)
+                gather += 0.5 * gather if rank == 0 else 0.0
+                events.append({"rank": rank, "kind": "allgather", "start_s": t, "end_s": t + gather, "layer": layer,
+                               "label": ""})
         events.append({"rank": rank, "kind": "compute", "start_s": t, "end_s": t + 9.0, "layer": None,
                        "label": "lm_head"})                   # not a layer: left out of the fit
     return SimpleNamespace(method=method, partition=chunks, balance="none", attention=attention, timeline=events)
@@ -346,6 +351,33 @@ def test_fit_runs_learns_what_ragged_key_counts_cost_with_the_dense_kernel():
     causal = truth.with_(attention_pairs="causal", attn_unaligned_s_per_dot=0.0)
     cm = CostModel.fit_runs(BENCH, [_fake_run("kvr", ch, causal, "causal") for ch in chunks[1:]], **link)
     assert cm.attn_unaligned_s_per_dot == 0.0 and cm.attn_s_per_dot == pytest.approx(causal.attn_s_per_dot, rel=1e-9)
+
+
+def test_fit_runs_gives_tsps_all_gather_its_own_cost_from_the_shortest_span_of_each_layer():
+    truth = CPU_LIKE.with_(layer_overhead_s=0.0, allgather_bandwidth_bytes_per_s=1.2e9, allgather_latency_s=1.5e-3)
+    runs = [_fake_run("tsp", [C // 2, C // 2], truth) for C in (1000, 2000, 3000)] + [_fake_run("kvr", [600, 400], truth)]
+    link = dict(link_bandwidth_bytes_per_s=4e9, link_latency_s=70e-6)
+    cm = CostModel.fit_runs(BENCH, runs, **link)
+    assert cm.allgather_bandwidth_bytes_per_s == pytest.approx(1.2e9, rel=1e-9)
+    assert cm.allgather_latency_s == pytest.approx(1.5e-3, rel=1e-9)
+    piece = 2 * 1000 * BENCH.n_kv_heads * BENCH.head_dim * 4
+    assert cm.allgather_step_s(piece) == pytest.approx(piece / 1.2e9 + 1.5e-3)
+    assert cm.transfer_s(piece) == pytest.approx(piece / 4e9 + 70e-6)          # messages keep the link's cost
+    # The simulator's TSP pays it once per layer; KV-Runahead does not use it.
+    plain = cm.with_(allgather_bandwidth_bytes_per_s=None, allgather_latency_s=None)
+    assert simulate_prefill(BENCH, [1000, 1000], "tsp", cm).ttft_s - simulate_prefill(
+        BENCH, [1000, 1000], "tsp", plain).ttft_s == pytest.approx(
+        BENCH.n_layers * (cm.allgather_step_s(piece) - cm.transfer_s(piece)))
+    assert simulate_prefill(BENCH, [600, 400], "kvr", cm).ttft_s == simulate_prefill(BENCH, [600, 400], "kvr", plain).ttft_s
+    # Fewer than two piece sizes: nothing to fit, the link serves the all-gather.
+    one = CostModel.fit_runs(BENCH, runs[:1] + runs[3:], **link)
+    assert (one.allgather_bandwidth_bytes_per_s, one.allgather_latency_s) == (None, None)
+    with pytest.raises(ValueError, match="give both or neither"):
+        plain.with_(allgather_latency_s=1e-3)
+    with pytest.raises(ValueError, match="allgather_bandwidth_bytes_per_s must be positive"):
+        cm.with_(allgather_bandwidth_bytes_per_s=0.0)
+    with pytest.raises(ValueError, match="allgather_latency_s must be a non-negative"):
+        cm.with_(allgather_latency_s=-1.0)
 
 
 def test_fit_runs_rejects_what_it_cannot_fit():

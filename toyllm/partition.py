@@ -144,6 +144,25 @@ def partition_from_ratios(context: int, ratios: Sequence[float]) -> list[int]:
     return chunks
 
 
+def align_boundaries(chunks: Sequence[int], multiple_of: int = 8) -> list[int]:
+    """``chunks`` with every inner boundary moved to the nearest multiple of ``multiple_of`` tokens
+    (ties round up); the last chunk takes what is left, so they still add up to the same context. Left
+    as they are when a chunk would end up empty.
+
+    >>> align_boundaries([1806, 1266])
+    [1808, 1264]
+    """
+    m = _check_int(multiple_of, "multiple_of")
+    if m < 1:
+        raise ValueError(f"multiple_of must be at least 1 token, got {m}")
+    chunks = validate_partition(chunks)
+    bounds = boundaries_from_chunks(chunks)
+    moved = [0, *(m * ((b + m // 2) // m) for b in bounds[1:-1]), bounds[-1]]
+    if any(a >= b for a, b in zip(moved, moved[1:])):            # a chunk would vanish: too short to align
+        return chunks
+    return chunks_from_boundaries(moved)
+
+
 def boundaries_from_chunks(chunks: Sequence[int]) -> list[int]:
     """``[4, 3, 2] -> [0, 4, 7, 9]``: where each rank's tokens start, then the end."""
     chunks = validate_partition(chunks)
@@ -499,12 +518,20 @@ class PartitionTable:
         t = (C - lo) / (hi - lo)
         return [(1 - t) * a + t * b for a, b in zip(self.ratios(lo), self.ratios(hi))]
 
-    def predict(self, context: int) -> list[int]:
-        """Chunk sizes for ``context`` tokens: exact on a stored length, else interpolated ratios rounded."""
+    def predict(self, context: int, multiple_of: int = 8) -> list[int]:
+        """Chunk sizes for ``context`` tokens: exact on a stored length, else interpolated ratios rounded,
+        then each boundary moved to the nearest multiple of ``multiple_of`` tokens (``align_boundaries``).
+
+        Why 8: a rank attends over as many keys as its boundary's position,
+        and the dense kernel's q k^T is slower per pair when that count is
+        not a multiple of 8 (the benchmark's search section measures it); the
+        searches step by multiples of 8 anyway. ``multiple_of=1`` keeps the
+        rounded ratios as they are.
+        """
         C = _check_int(context, "context")
         if C in self._entries:
             return self.chunks(C)
-        return partition_from_ratios(C, self.predict_ratios(C))
+        return align_boundaries(partition_from_ratios(C, self.predict_ratios(C)), multiple_of)
 
     def to_dict(self) -> dict:
         return {"world_size": self.world_size, **({"about": self.about} if self.about else {}),

@@ -76,6 +76,10 @@ class CostModel:
     link_bandwidth_bytes_per_s, link_latency_s: the point-to-point link between ranks.
     bytes_per_value: size of one K or V number on the wire (4 for float32, 2 for fp16/bf16).
     label: where the numbers come from ("calibrated on ...", "assumed ...").
+    allgather_bandwidth_bytes_per_s, allgather_latency_s: one ring step of
+    TSP's all-gather, when it is not one message over the link (gloo's
+    collective is slower than a point-to-point message: ``fit_runs`` measures
+    it from the runs' own all-gather spans); None, None: one message.
     """
 
     qkv_s_per_token: float
@@ -89,6 +93,8 @@ class CostModel:
     label: str = ""
     attn_unaligned_s_per_dot: float = 0.0
     key_alignment: int = 8
+    allgather_bandwidth_bytes_per_s: float | None = None
+    allgather_latency_s: float | None = None
 
     def __post_init__(self):
         for name in ("qkv_s_per_token", "mlp_s_per_token", "attn_s_per_dot", "attn_unaligned_s_per_dot",
@@ -103,6 +109,14 @@ class CostModel:
             raise ValueError(f"CostModel.key_alignment must be a whole number of tokens >= 1, got {self.key_alignment!r}")
         if self.bytes_per_value <= 0:
             raise ValueError(f"CostModel.bytes_per_value must be positive, got {self.bytes_per_value!r}")
+        ag_bw, ag_lat = self.allgather_bandwidth_bytes_per_s, self.allgather_latency_s
+        if (ag_bw is None) != (ag_lat is None):
+            raise ValueError("CostModel.allgather_bandwidth_bytes_per_s and allgather_latency_s go together: "
+                             f"give both or neither, got {ag_bw!r} and {ag_lat!r}")
+        if ag_bw is not None and not (isinstance(ag_bw, (int, float)) and ag_bw > 0 and math.isfinite(ag_bw)):
+            raise ValueError(f"CostModel.allgather_bandwidth_bytes_per_s must be positive (bytes/s), got {ag_bw!r}")
+        if ag_lat is not None and not (isinstance(ag_lat, (int, float)) and ag_lat >= 0 and math.isfinite(ag_lat)):
+            raise ValueError(f"CostModel.allgather_latency_s must be a non-negative number of seconds, got {ag_lat!r}")
         if self.attention_pairs not in ("dense", "causal"):
             raise ValueError(f"CostModel.attention_pairs must be 'dense' or 'causal', got {self.attention_pairs!r}")
 
@@ -136,6 +150,12 @@ class CostModel:
     def transfer_s(self, n_bytes: float, slowdown: float = 1.0) -> float:
         """Seconds to move ``n_bytes`` over one link, ``slowdown`` >= 1 stretching the bandwidth term."""
         return n_bytes / self.link_bandwidth_bytes_per_s * slowdown + self.link_latency_s
+
+    def allgather_step_s(self, n_bytes: float, slowdown: float = 1.0) -> float:
+        """Seconds of one ring step of TSP's all-gather moving ``n_bytes`` per rank."""
+        if self.allgather_bandwidth_bytes_per_s is None:
+            return self.transfer_s(n_bytes, slowdown)
+        return n_bytes / self.allgather_bandwidth_bytes_per_s * slowdown + self.allgather_latency_s
 
     @classmethod
     @shortcut("6.4")
@@ -236,6 +256,11 @@ class CostModel:
         ``attn_unaligned_s_per_dot`` (q k^T's matrix product is slower per
         pair there); a causal-aware kernel works in blocks, so only its last
         block is ragged and the term is left at 0.
+        TSP runs of two or more piece sizes also give TSP's all-gather its
+        own bandwidth and latency per ring step, from the shortest span of
+        the ranks in each layer (the last rank to arrive waits for no one):
+        gloo's collective is slower than the point-to-point messages the link
+        measures.
         Runs must be "tsp" (not zigzag or trimmed) or "kvr", all with one
         attention kernel; the link is not in the spans, so pass it
         (``toyllm.parallel.measure_link``).
@@ -253,13 +278,20 @@ class CostModel:
         # and over the runs of that configuration, so that one slow span (another process, a page fault)
         # does not pull the fit.
         spans: dict[tuple, list[float]] = {}
+        # TSP's all-gather: per layer, the rank that arrived last waited for no one, so the shortest span
+        # of the ranks is the collective itself; one list of those per piece size (bytes per rank).
+        allgather: dict[int, list[float]] = {}
+        row_bytes = cfg.n_kv_heads * cfg.head_dim * 4                   # float32 K or V of one token
         for run in runs:
             if run.method not in ("tsp", "kvr") or run.balance != "none":
                 raise ValueError(f"fit_runs takes 'tsp' (balance 'none') and 'kvr' runs, got method "
                                  f"{run.method!r} with balance {run.balance!r}")
             chunks, C = list(run.partition), sum(run.partition)
+            gathers: dict[int, list[float]] = {}
             for e in run.timeline:
                 e = e if isinstance(e, Event) else Event.from_dict(e)
+                if e.kind == "allgather" and e.layer is not None:
+                    gathers.setdefault(e.layer, []).append(e.duration_s)
                 if e.kind != "compute" or e.layer is None or e.label not in ("qkv", "attention", "mlp"):
                     continue
                 c, s = chunks[e.rank], sum(chunks[:e.rank])
@@ -267,6 +299,9 @@ class CostModel:
                 pairs = query_key_pairs(mode, c, s, keys)
                 unaligned = mode == "dense" and keys % key_alignment != 0
                 spans.setdefault((e.label, c, pairs, unaligned), []).append(e.duration_s)
+            if run.method == "tsp" and gathers and len(chunks) > 1:   # p - 1 ring steps of the largest chunk's K, V
+                allgather.setdefault(2 * max(chunks) * row_bytes, []).extend(
+                    min(seconds) / (len(chunks) - 1) for seconds in gathers.values())
         samples = {"qkv": ([], []), "attention": ([], []), "mlp": ([], [])}
         for (step, c, pairs, unaligned), seconds in spans.items():
             samples[step][0].append([pairs, pairs * unaligned] if step == "attention" else [c])
@@ -280,9 +315,17 @@ class CostModel:
             alpha, extra = _least_squares(rows, times)
         else:       # all aligned or none: nothing to tell the two costs apart, so one per-pair cost
             (alpha,), extra = _least_squares([r[:1] for r in rows], times), 0.0
+        ag_bw = ag_lat = None
+        if len(allgather) >= 2:
+            sizes = sorted(allgather)
+            seconds_per_byte, ag_lat = _least_squares([[n, 1.0] for n in sizes],
+                                                      [float(np.median(allgather[n])) for n in sizes])
+            ag_bw = 1.0 / seconds_per_byte if seconds_per_byte > 0 else None
+            ag_lat = ag_lat if ag_bw is not None else None
         contexts = sorted({sum(r.partition) for r in runs})
         return cls(qkv_s_per_token=a, mlp_s_per_token=m, attn_s_per_dot=alpha, layer_overhead_s=0.0,
                    attn_unaligned_s_per_dot=extra, key_alignment=key_alignment,
+                   allgather_bandwidth_bytes_per_s=ag_bw, allgather_latency_s=ag_lat,
                    link_bandwidth_bytes_per_s=link_bandwidth_bytes_per_s, link_latency_s=link_latency_s,
                    bytes_per_value=4, attention_pairs=mode,
                    label=label or f"fitted to {len(runs)} real runs' timelines, contexts {contexts}")
@@ -487,7 +530,7 @@ def _simulate_tsp(cfg, chunks, cm: CostModel, noise: LinkNoise, events) -> list[
             r.busy("compute", cm.layer_overhead_s + cm.qkv_s_per_token * c, layer, lambda: f"qkv of {c} tokens")
         # Everyone waits for the slowest rank; then p-1 ring steps, each as slow as its slowest link.
         start = max(r.t for r in ranks)
-        ring = sum(max(cm.transfer_s(piece_bytes, noise(j, (j + 1) % p, layer, step)) for j in range(p))
+        ring = sum(max(cm.allgather_step_s(piece_bytes, noise(j, (j + 1) % p, layer, step)) for j in range(p))
                    for step in range(p - 1))
         for r in ranks:
             r.wait_until("allgather", start + ring, layer, lambda: f"all-gather K,V of {C} tokens")
