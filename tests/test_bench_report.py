@@ -276,7 +276,7 @@ def test_search_section_shows_the_measured_link_and_both_cost_models():
     good = render_section("search", _search([0.08, -0.03]))
     assert "Fitted: 4.30 GB/s + 60 us per message (measured, gloo ping-pong between 2 processes" in good
     assert "| 4 KB | 61 us [60-62 us] | 61 us |" in good
-    assert "the fit gives it a cost per query) 13.00 us/token, attention 25.000 ns per query-key pair" in good
+    assert "attention (o_proj included) 25.000 ns per query-key pair" in good
     assert "attention 66.000 ns per query-key pair" in good
     assert "| 2048 | KVR | [1229, 819] | 1.080 | 1.000 [0.750-1.020] | +8.0% | no | 1.500 | +50.0% |" in good
     assert "largest error 8.0%, median 5.0%: the largest is within the 10% target. One Block" in good
@@ -302,7 +302,7 @@ def test_search_section_shows_what_key_counts_off_a_multiple_of_8_cost():
     d["ragged"] = {"chunks": [5734, 2458], "aligned_chunks": [5736, 2456], "sim": {"ragged": 3.9, "aligned": 3.5},
                    "verdict": compare([3.6, 3.64, 3.7], [4.05, 4.1, 4.2])}
     text = render_section("search", d)
-    assert "attention 25.000 ns per query-key pair, 5.000 ns more (+20%) when the rank's key count is not a multiple of 8" in text
+    assert "25.000 ns per query-key pair, 5.000 ns more (+20%) when the rank's key count is not a multiple of 8" in text
     assert "| 4096 | yes | 3.10 [3.00-3.20] | - |" in text
     assert "| 4098 | no | 4.50 [4.40-4.60] | 4096 keys: 1.45x as costly per pair |" in text
     assert "| 4104 | yes | 3.40 [3.00-3.50] | - |" in text

@@ -267,18 +267,17 @@ def test_a_kernel_that_skips_masked_work_moves_the_best_split():
 from types import SimpleNamespace  # noqa: E402
 
 
-def _fake_run(method, chunks, cm_true, attention="dense", stall=None, o_proj_s_per_token=0.0):
+def _fake_run(method, chunks, cm_true, attention="dense", stall=None):
     """A PrefillResult-like run whose compute spans follow known coefficients exactly; ``stall`` =
-    (rank, layer, label) makes that one span 100 times longer; ``o_proj_s_per_token`` of the cost after
-    attention ends the attention span instead of starting the mlp one (as o_proj does in Block.attend)."""
+    (rank, layer, label) makes that one span 100 times longer."""
     events, C = [], sum(chunks)
     for rank, c in enumerate(chunks):
         s = sum(chunks[:rank])
         t = 0.0
         for layer in range(BENCH.n_layers):
-            attend_s = cm_true.attention_s(c, s, C if method == "tsp" else s + c) + o_proj_s_per_token * c
+            attend_s = cm_true.attention_s(c, s, C if method == "tsp" else s + c)
             for label, seconds in (("qkv", cm_true.qkv_s_per_token * c), ("attention", attend_s),
-                                   ("mlp", (cm_true.mlp_s_per_token - o_proj_s_per_token) * c)):
+                                   ("mlp", cm_true.mlp_s_per_token * c)):
                 seconds *= 100 if stall == (rank, layer, label) else 1
                 events.append({"rank": rank, "kind": "compute", "start_s": t, "end_s": t + seconds,
                                "layer": layer, "label": label})
@@ -336,14 +335,11 @@ def test_attention_costs_more_per_pair_when_the_key_count_is_not_a_multiple_of_t
 def test_fit_runs_learns_what_ragged_key_counts_cost_with_the_dense_kernel():
     truth = CPU_LIKE.with_(layer_overhead_s=0.0, attn_unaligned_s_per_dot=0.3 * CPU_LIKE.attn_s_per_dot)
     chunks = [[600, 400], [500, 500], [1000, 1000], [1302, 698], [1228, 820]]
-    # o_proj (a quarter of the cost after attention) ends each attention span: the fit gives it back per token.
-    runs = [_fake_run("kvr" if i else "tsp", ch, truth, o_proj_s_per_token=truth.mlp_s_per_token / 4)
-            for i, ch in enumerate(chunks)]
+    runs = [_fake_run("kvr" if i else "tsp", ch, truth) for i, ch in enumerate(chunks)]
     link = dict(link_bandwidth_bytes_per_s=4e9, link_latency_s=70e-6)
     cm = CostModel.fit_runs(BENCH, runs, **link)
     assert cm.attn_s_per_dot == pytest.approx(truth.attn_s_per_dot, rel=1e-9)
     assert cm.attn_unaligned_s_per_dot == pytest.approx(truth.attn_unaligned_s_per_dot, rel=1e-9)
-    assert cm.mlp_s_per_token == pytest.approx(truth.mlp_s_per_token, rel=1e-9)
     # Aligned to 4 instead, 500 and 1228 are whole multiples and the two kinds of span mix: the fit cannot be exact.
     assert CostModel.fit_runs(BENCH, runs, key_alignment=4, **link).attn_s_per_dot != pytest.approx(
         truth.attn_s_per_dot, rel=1e-3)

@@ -246,9 +246,8 @@ class CostModel:
         one stalled span (another process, a page fault) does not pull the
         fit. The model is the simplest that fits them: seconds per token for
         the projections and for the MLP, seconds per query-key pair for
-        attention plus seconds per query for the o_proj that ends that step
-        (folded into ``mlp_s_per_token``, as ``calibrate`` does), no fixed
-        cost per layer. On a shared 2-core VM the spans of short
+        attention (o_proj, which ``Block.attend`` runs, folds into it), no
+        fixed cost per layer. On a shared 2-core VM the spans of short
         chunks vary by 2x from run to run, and fits with per-layer constants
         took those swings for fixed costs of milliseconds; the long spans
         that dominate an unweighted least squares are measured best.
@@ -305,17 +304,17 @@ class CostModel:
                     min(seconds) / (len(chunks) - 1) for seconds in gathers.values())
         samples = {"qkv": ([], []), "attention": ([], []), "mlp": ([], [])}
         for (step, c, pairs, unaligned), seconds in spans.items():
-            # The attention step ends with o_proj, whose cost goes with the c queries, not with the pairs.
-            samples[step][0].append([pairs, c, pairs * unaligned] if step == "attention" else [c])
+            samples[step][0].append([pairs, pairs * unaligned] if step == "attention" else [c])
             samples[step][1].append(float(np.median(seconds)))
         if any(len({r[0] for r in rows}) < 2 for rows, _ in samples.values()):
             raise ValueError("the runs hold too few different chunk sizes to fit: give runs with at least "
                              "two different chunk sizes, e.g. two partitions or two contexts")
         (a,), (m,) = (_least_squares(*samples[step]) for step in ("qkv", "mlp"))
         rows, times = samples["attention"]
-        if not (any(r[2] for r in rows) and any(not r[2] for r in rows)):
-            rows = [r[:2] for r in rows]    # all aligned or none: nothing tells the two per-pair costs apart
-        alpha, o_proj, extra = [*_least_squares(rows, times), 0.0][:3]
+        if any(r[1] for r in rows) and any(not r[1] for r in rows):
+            alpha, extra = _least_squares(rows, times)
+        else:       # all aligned or none: nothing to tell the two costs apart, so one per-pair cost
+            (alpha,), extra = _least_squares([r[:1] for r in rows], times), 0.0
         ag_bw = ag_lat = None
         if len(allgather) >= 2:
             sizes = sorted(allgather)
@@ -324,7 +323,7 @@ class CostModel:
             ag_bw = 1.0 / seconds_per_byte if seconds_per_byte > 0 else None
             ag_lat = ag_lat if ag_bw is not None else None
         contexts = sorted({sum(r.partition) for r in runs})
-        return cls(qkv_s_per_token=a, mlp_s_per_token=o_proj + m, attn_s_per_dot=alpha, layer_overhead_s=0.0,
+        return cls(qkv_s_per_token=a, mlp_s_per_token=m, attn_s_per_dot=alpha, layer_overhead_s=0.0,
                    attn_unaligned_s_per_dot=extra, key_alignment=key_alignment,
                    allgather_bandwidth_bytes_per_s=ag_bw, allgather_latency_s=ag_lat,
                    link_bandwidth_bytes_per_s=link_bandwidth_bytes_per_s, link_latency_s=link_latency_s,
