@@ -306,7 +306,7 @@ def test_search_section_shows_what_key_counts_off_a_multiple_of_8_cost():
     assert "| 4096 | yes | 3.10 [3.00-3.20] | - |" in text
     assert "| 4098 | no | 4.50 [4.40-4.60] | 4096 keys: 1.45x as costly per pair |" in text
     assert "| 4104 | yes | 3.40 [3.00-3.50] | - |" in text
-    assert ("In a real run at 8192 tokens, the table's last split and its nearest neighbour with a first chunk that "
+    assert ("In a real run at 8192 tokens, the table's last split and its nearest neighbour with a boundary that "
             "is a multiple of 8 took turns for 3 rounds: KVR [5736, 2456] 3.640 s [3.600-3.700 s] vs KVR [5734, 2458] "
             "4.100 s [4.050-4.200 s]: KVR [5736, 2456] is 1.13x faster. The fitted model gives 3.500 s and 3.900 s.") in text
     gather_ms, message_ms = (4194304 / 1.2e9 + 1.5e-3) * 1e3, (4194304 / 4.3e9 + 60e-6) * 1e3

@@ -297,13 +297,19 @@ def bench_search(quick: bool = False) -> dict:
     contexts = (1024, 2048) if quick else (2048, 4096, 8192)
     for C in contexts:
         ids = random_prompt(C, cfg.vocab_size)
+        rows = [(method, partition_from_ratios(C, [ratio, 1 - ratio]))
+                for method, ratio in [("tsp", 0.5), ("kvr", 0.5), ("kvr", 0.6), ("kvr", 0.7)]]
         with _fresh_pool(spec, ids) as pool:                               # fresh processes per context
-            for method, ratio in [("tsp", 0.5), ("kvr", 0.5), ("kvr", 0.6), ("kvr", 0.7)]:
-                chunks = partition_from_ratios(C, [ratio, 1 - ratio])
+            # The rows take turns, one run each per round, so that a slow spell of the machine (its memory
+            # bandwidth shifts from run to run) hits every row of the context alike.
+            measure = {method: measured_cost(spec, ids, pool, method=method, repeat=1, warmup=0)
+                       for method in ("tsp", "kvr")}
+            runs = interleaved_runs({i: (lambda m=method, ch=chunks: measure[m](ch))
+                                     for i, (method, chunks) in enumerate(rows)}, accuracy_repeats, warmup=warm)
+            for i, (method, chunks) in enumerate(rows):
                 sim, sim_block = (simulate_prefill(cfg, chunks, method, m, record_events=False).ttft_s
                                   for m in (cm, block))
-                real = spread(parallel_prefill(spec, ids, method, 2, chunks, repeat=accuracy_repeats, warmup=warm,
-                                               pool=pool).ttft_runs)
+                real = spread(runs[i])
                 accuracy.append({"context": C, "method": method, "chunks": chunks, "sim": sim, "real": real.median,
                                  "sim_block": sim_block, "runs": real})
                 _progress(accuracy[-1])
@@ -365,13 +371,13 @@ def bench_search(quick: bool = False) -> dict:
 
 
 def _ragged_vs_aligned(spec, cfg, ids, pool, cm, chunks: list[int], rounds: int, warm: int) -> dict:
-    """A split whose first chunk is not a multiple of 8 tokens against the nearest one that is, in turns,
-    measured and simulated."""
+    """A split whose boundary is not a multiple of 8 tokens against the nearest one that is
+    (``align_boundaries``), in turns, measured and simulated."""
     from .measure import compare, interleaved_runs
+    from .partition import align_boundaries
     from .simulate import simulate_prefill
 
-    first = 8 * round(chunks[0] / 8)
-    aligned = [first, sum(chunks) - first]
+    aligned = align_boundaries(chunks)
     measure = measured_cost(spec, ids, pool, repeat=1, warmup=0)
     runs = interleaved_runs({"ragged": lambda: measure(chunks), "aligned": lambda: measure(aligned)}, rounds,
                             warmup=warm)
