@@ -281,7 +281,6 @@ class CostModel:
         # TSP's all-gather: per layer, the rank that arrived last waited for no one, so the shortest span
         # of the ranks is the collective itself; one list of those per piece size (bytes per rank).
         allgather: dict[int, list[float]] = {}
-        row_bytes = cfg.n_kv_heads * cfg.head_dim * 4                   # float32 K or V of one token
         for run in runs:
             if run.method not in ("tsp", "kvr") or run.balance != "none":
                 raise ValueError(f"fit_runs takes 'tsp' (balance 'none') and 'kvr' runs, got method "
@@ -300,7 +299,7 @@ class CostModel:
                 unaligned = mode == "dense" and keys % key_alignment != 0
                 spans.setdefault((e.label, c, pairs, unaligned), []).append(e.duration_s)
             if run.method == "tsp" and gathers and len(chunks) > 1:   # p - 1 ring steps of the largest chunk's K, V
-                allgather.setdefault(2 * max(chunks) * row_bytes, []).extend(
+                allgather.setdefault(allgather_piece_bytes(cfg, chunks, 4), []).extend(     # float32 runs
                     min(seconds) / (len(chunks) - 1) for seconds in gathers.values())
         samples = {"qkv": ([], []), "attention": ([], []), "mlp": ([], [])}
         for (step, c, pairs, unaligned), seconds in spans.items():
@@ -318,10 +317,10 @@ class CostModel:
         ag_bw = ag_lat = None
         if len(allgather) >= 2:
             sizes = sorted(allgather)
-            seconds_per_byte, ag_lat = _least_squares([[n, 1.0] for n in sizes],
-                                                      [float(np.median(allgather[n])) for n in sizes])
-            ag_bw = 1.0 / seconds_per_byte if seconds_per_byte > 0 else None
-            ag_lat = ag_lat if ag_bw is not None else None
+            seconds_per_byte, latency = _least_squares([[n, 1.0] for n in sizes],
+                                                       [float(np.median(allgather[n])) for n in sizes])
+            if seconds_per_byte > 0:
+                ag_bw, ag_lat = 1.0 / seconds_per_byte, latency
         contexts = sorted({sum(r.partition) for r in runs})
         return cls(qkv_s_per_token=a, mlp_s_per_token=m, attn_s_per_dot=alpha, layer_overhead_s=0.0,
                    attn_unaligned_s_per_dot=extra, key_alignment=key_alignment,
@@ -329,6 +328,12 @@ class CostModel:
                    link_bandwidth_bytes_per_s=link_bandwidth_bytes_per_s, link_latency_s=link_latency_s,
                    bytes_per_value=4, attention_pairs=mode,
                    label=label or f"fitted to {len(runs)} real runs' timelines, contexts {contexts}")
+
+
+def allgather_piece_bytes(cfg: ModelConfig, chunks: Sequence[int], bytes_per_value: int) -> int:
+    """Bytes each rank sends per ring step of TSP's all-gather: the K and V of the largest chunk
+    (all_gather needs equal-sized pieces, so the shorter ones are padded)."""
+    return 2 * max(chunks) * cfg.n_kv_heads * cfg.head_dim * bytes_per_value
 
 
 def query_key_pairs(mode: str, queries: int, before: int, keys: int) -> int:
@@ -520,10 +525,8 @@ def _simulate_kvr(cfg, chunks, cm: CostModel, overlap: bool, noise: LinkNoise, e
 
 def _simulate_tsp(cfg, chunks, cm: CostModel, noise: LinkNoise, events) -> list[float]:
     p, L, C = len(chunks), cfg.n_layers, sum(chunks)
-    row_bytes = cfg.n_kv_heads * cfg.head_dim * cm.bytes_per_value
     ranks = [_Rank(i, events) for i in range(p)]
-    # all_gather needs equal-sized pieces, so every ring step moves the largest chunk's K and V.
-    piece_bytes = 2 * max(chunks) * row_bytes
+    piece_bytes = allgather_piece_bytes(cfg, chunks, cm.bytes_per_value)
     before = prefixes(chunks)
     for layer in range(L):
         for r, c in zip(ranks, chunks):
