@@ -133,3 +133,20 @@ def test_the_attention_benchmark_has_a_row_per_shape():
 def test_positions_with_a_repeat_are_not_taken_for_a_contiguous_run():
     assert A._contiguous(torch.arange(3, 9)) and A._contiguous(torch.tensor([7]))
     assert not A._contiguous(torch.tensor([0, 2, 2])) and not A._contiguous(torch.tensor([], dtype=torch.long))
+
+
+def test_a_forward_pass_looks_up_the_dense_answer_once_with_the_same_logits(monkeypatch):
+    """The model binds Exercise 2.1 once per forward pass (``for_one_pass``), not once per layer,
+    and gets exactly the logits of the dense kernel looked up layer by layer."""
+    model = build_model("tiny", seed=3, attention="dense")
+    ids = torch.tensor([[5, 7, 11, 13, 17, 19]])
+    real, lookups = A.exercise, []
+    monkeypatch.setattr(A, "exercise", lambda number: (lookups.append(number), real(number))[1])
+    got = model(ids)
+    assert lookups == ["2.1"]
+    monkeypatch.setattr("toyllm.model.for_one_pass", lambda kernel: kernel)      # the kernel as it is
+    lookups.clear()
+    expected = model(ids)
+    assert lookups == ["2.1"] * model.config.n_layers and model.config.n_layers > 1
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert A.for_one_pass(A.sdpa_attention) is A.sdpa_attention

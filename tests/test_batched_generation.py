@@ -79,8 +79,11 @@ def test_one_prompt_gives_a_result_and_a_batch_of_one_a_list(tiny):
     one = generate(tiny, p, 5)
     batch = generate(tiny, [p], 5)
     tensor_batch = generate(tiny, torch.tensor([p]), 5)
-    assert isinstance(one, GenerationResult)
+    tensor_one = generate(tiny, torch.tensor(p, dtype=torch.int32), 5)      # any integer dtype
+    assert isinstance(one, GenerationResult) and isinstance(tensor_one, GenerationResult)
     assert isinstance(batch, list) and batch[0].output_ids == one.output_ids == tensor_batch[0].output_ids
+    assert tensor_one.output_ids == one.output_ids and tensor_one.prompt_ids == one.prompt_ids == p
+    assert all(type(t) is int for t in tensor_batch[0].prompt_ids + tensor_batch[0].output_ids)
 
 
 def test_a_batch_continues_after_a_prefilled_cache(tiny):
@@ -105,6 +108,8 @@ def test_blog_configuration_naive_equals_cached():
     ([[1, 2, 3], [4, 5]], r"prompts in prompt_ids have different lengths \[2, 3\].*equal length"),
     ([], "prompt is empty: prompt_ids needs at least one token"),
     (torch.empty(0, 5, dtype=torch.long), "prompt is empty"),
+    (torch.empty(3, 0, dtype=torch.long), r"prompt is empty: prompt_ids has shape \(3, 0\)"),
+    (torch.tensor([1.0, 2.5]), "token ids must be integers, got a tensor of dtype torch.float32"),
     ([[1, 2], []], "prompt 1 of the batch is empty"),
     ([[1, 2], 3], "prompt_ids mixes token ids and lists"),
     (torch.zeros(2, 2, 2, dtype=torch.long), "prompt_ids as a tensor must be 1-D .* or 2-D"),

@@ -48,6 +48,25 @@ def test_window_view_is_left_padded():
     assert torch.equal(kw[0, 0, :4], torch.zeros(4, 4)) and torch.equal(kw[0, 0, 4:], torch.ones(2, 4))
 
 
+@pytest.mark.parametrize("reserve", [2.0, 1.5])
+def test_padding_reads_as_zeros_while_the_window_slides(monkeypatch, reserve):
+    """The buffer is allocated without zeroing all of it (only the first window, the padding); a
+    window view must still never show a byte of the rest before it is written: here fresh memory
+    is NaN, and the view is checked after every append, across the shifts a small reserve makes."""
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+    cache = StaticKVCache(1, 1, 2, window=6, reserve=reserve)
+    for step in range(6):
+        k = torch.full((1, 1, 1, 2), float(step + 1))
+        cache.update(0, k, -k)
+        kw, vw = cache.window_view(0)                                     # (1, 1, 6, 2)
+        real = torch.arange(1.0, step + 2).repeat_interleave(2).view(step + 1, 2)
+        expected = torch.cat([torch.zeros(5 - step, 2), real])
+        assert torch.equal(kw[0, 0], expected) and torch.equal(vw[0, 0], -expected)
+        assert torch.equal(cache.keys(0)[0, 0], real)
+    assert (cache.copies > 0) == (reserve < 2)
+
+
 def test_static_cache_too_small_is_rejected():
     cache = StaticKVCache(1, 1, 4, window=3)
     with pytest.raises(ValueError, match="static cache too small.*holds 3 tokens"):

@@ -78,6 +78,24 @@ def test_the_library_runs_the_model_answers_in_this_edition():
     assert answers.written("5.2") and answers.EDITION == "instructor"
 
 
+def test_an_edited_answer_runs_once_its_file_is_checked_again(tmp_path, monkeypatch):
+    """exercise() keeps a found function and reads its file's stamp again at most every RECHECK_S
+    seconds (the dense kernel asks on every layer of every step): an edit takes effect at the next check."""
+    folder = tmp_path / "answers"
+    folder.mkdir()
+    shutil.copy(SOLUTIONS / "ex02_kv_cache.py", folder)
+    monkeypatch.setenv("TOYLLM_ANSWERS", str(folder))
+    first = answers.exercise("2.1")
+    assert Path(first.__code__.co_filename).parent == folder
+    with (folder / "ex02_kv_cache.py").open("a") as f:
+        f.write("\n# edited: a new stamp\n")
+    monkeypatch.setattr(answers, "RECHECK_S", 3600.0)
+    assert answers.exercise("2.1") is first                     # checked moments ago: trusted
+    monkeypatch.setattr(answers, "RECHECK_S", 0.0)
+    again = answers.exercise("2.1")
+    assert again is not first and Path(again.__code__.co_filename).parent == folder
+
+
 # --------------------------------------------------------------------------- the proof
 
 def test_a_copied_answer_is_found_even_with_names_changed(tmp_path):

@@ -30,6 +30,7 @@ can pass its own function instead.
 """
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from typing import Callable
@@ -74,10 +75,29 @@ def dense_attention(q, k, v, q_pos, k_pos):
     With grouped-query attention each K/V head is copied out to the query
     heads that share it, as the exercise expects.
     """
+    return _dense_with(exercise("2.1"), q, k, v, q_pos, k_pos)
+
+
+def _dense_with(answer: AttentionFn, q, k, v, q_pos, k_pos):
+    """``dense_attention`` with Exercise 2.1's function already looked up (``answer``)."""
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)    # (B, H, S, D)
-    return exercise("2.1")(q, k, v, q_pos, k_pos)                                    # (B, H, T, D)
+    return answer(q, k, v, q_pos, k_pos)                                             # (B, H, T, D)
+
+
+def for_one_pass(kernel: AttentionFn) -> AttentionFn:
+    """``kernel`` as one forward pass calls it, layer after layer (the same results, fewer lookups).
+
+    The dense kernel finds Exercise 2.1's function on every call: a lookup
+    reads the environment (which edition, which course) and now and then
+    stats the file. That is microseconds, and a small model's decode step
+    calls the kernel on every layer: on the bench preset, about 30 us of
+    a 0.6 ms step (measured). Here it is looked up once for the pass.
+    """
+    if kernel is not dense_attention:
+        return kernel
+    return handles_gqa(functools.partial(_dense_with, exercise("2.1")))
 
 
 @shortcut("2.1")

@@ -631,9 +631,10 @@ def bench_batched(quick: bool = False) -> dict:
     own attention (all of QK^T, then the causal mask); naive's score tensor
     reaches (prompts, 1, 150, 150), 900 MB in float32 at 10000 prompts.
     One run each would let a slow spell of the shared machine decide the
-    ratio: the two take turns for 3 rounds, and each round's ratio (naive
-    over the cached run of the same round) is kept.
-    quick: 500 prompts, one round.
+    ratio: the two take turns for 3 rounds after an untimed round (the first
+    runs of a process pay for mapping its memory, the cached one most), and
+    each round's ratio (naive over the cached run of the same round) is kept.
+    quick: 500 prompts, one round, no warm-up.
     """
     from .bench_decode import BLOG_NEW_TOKENS, BLOG_PROMPT_LEN, BLOG_PROMPTS, BLOG_TOY
 
@@ -641,8 +642,8 @@ def bench_batched(quick: bool = False) -> dict:
     prompts = torch.randint(0, BLOG_TOY.vocab_size, (n, BLOG_PROMPT_LEN), generator=torch.Generator().manual_seed(0))
     model = build_model(BLOG_TOY, attention="dense")
     row = {"prompts": n, "prompt_len": BLOG_PROMPT_LEN, "new_tokens": BLOG_NEW_TOKENS, "config": BLOG_TOY.to_dict(),
-           "threads": torch.get_num_threads(),
-           **time_naive_and_cached(model, prompts, BLOG_NEW_TOKENS, 1 if quick else 3, warmup=0)}
+           "threads": torch.get_num_threads(), "warmup": 0 if quick else 1,
+           **time_naive_and_cached(model, prompts, BLOG_NEW_TOKENS, 1 if quick else 3, warmup=0 if quick else 1)}
     _progress({k: v for k, v in row.items() if k not in ("config", "naive", "cached", "verdict")})
     return row
 

@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention import (ATTENTION_KERNELS, AttentionFn, causal_mask, dense_attention,  # noqa: F401  (re-exported)
-                        get_attention, sdpa_attention)
+                        for_one_pass, get_attention, sdpa_attention)
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -297,13 +297,14 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]   # views, no copy
         x = self.embed(ids)                                              # (B, T, d_model)
         k_pos = q_pos
+        attention = for_one_pass(self.attention)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.qkv(x, cos, sin)
             if cache is not None:
                 k, v = cache.update(i, k, v)                             # (B, Hkv, S, D): past + new
             if len(k_pos) != k.shape[-2]:                                # built once, not once per layer
                 k_pos = self.positions(start + T - k.shape[-2], k.shape[-2])
-            x = layer.finish(x, layer.attend(q, k, v, q_pos, k_pos, self.attention))
+            x = layer.finish(x, layer.attend(q, k, v, q_pos, k_pos, attention))
         return self.head(x[:, -1:] if last_only else x)
 
 
