@@ -212,16 +212,33 @@ def test_the_weights_and_batched_sections_render_their_verdicts_from_the_numbers
     text = render_section("weights", {**varied, "rows": [slower], "best": add_floor_figures(dict(slower), 1e9, 0.8e9)})
     assert "out of reach" not in text and "would allow 60%" in text
     assert "No format answered" in render_section("weights", {**weights, "best": None})
-    def batched(naive_runs, cached_runs):
-        naive, cached = spread(naive_runs), spread(cached_runs)
+    def against(cache, naive, cached_runs):
+        cached = spread(cached_runs)
+        return {"cache": cache, "cached": cached, "cached_s": cached.median, "speedup": naive.median / cached.median,
+                "identical": True, "round_speedups": [a / b for a, b in zip(naive.runs, cached_runs)]}
+
+    def batched(naive_runs, cached_runs, **more):
+        naive = spread(naive_runs)
         return render_section("batched", {
             "prompts": 10, "prompt_len": 50, "new_tokens": 100, "config": BLOG_TOY.to_dict(), "threads": 2,
-            "naive": naive, "cached": cached, "naive_s": naive.median, "cached_s": cached.median,
-            "speedup": naive.median / cached.median, "identical": True,
-            "round_speedups": [a / b for a, b in zip(naive_runs, cached_runs)]})
+            "warmup": 1, "naive": naive, "naive_s": naive.median, **against("dynamic", naive, cached_runs), **more})
 
     text = batched([3.0, 2.9, 3.3], [0.25, 0.24, 0.26])
-    assert "| 10 x 50 | 3.00 [2.90-3.30] | 0.25 [0.24-0.26] | 12.0x | 12.0-12.7x | True |" in text
+    assert "| 10 x 50 | dynamic (the blog's) | 3.00 [2.90-3.30] | 0.25 [0.24-0.26] | 12.0x | 12.0-12.7x | True |" \
+        in text
+    assert "after an untimed round of each" in text and "The two caches" not in text
+    window, packed = spread([0.0155, 0.0160, 0.0170]), spread([0.0068, 0.0070, 0.0072])
+    text = batched([3.0, 2.9, 3.3], [0.25, 0.24, 0.26],
+                   other_caches=[against("static", spread([3.0, 2.9, 3.3]), [0.30, 0.29, 0.31])],
+                   caches_verdict=compare([0.25, 0.24, 0.26], [0.30, 0.29, 0.31]),
+                   products={"cached_tokens": 100, "capacity": 298, "window": window, "packed": packed,
+                             "verdict": compare(packed, window)})
+    assert "| 10 x 50 | static | 3.00 [2.90-3.30] | 0.30 [0.29-0.31] | 10.0x | 10.0-10.6x | True |" in text
+    assert "lie 298 rows apart" in text and "one step at 100 cached tokens" in text
+    assert "from the same rounds: growing 250.0 ms [240.0-260.0 ms] vs static 300.0 ms [290.0-310.0 ms]: growing is " \
+           "1.20x faster." in text
+    assert "packed rows 7.0 ms [6.8-7.2 ms] vs the static cache's windows 16.0 ms [15.5-17.0 ms]: packed rows " \
+           "is 2.29x faster" in text
     assert "12.00x faster than recomputing" in text and "target (the blog measured 22x" in text
     assert "is missed in every round" in text
     assert "met in every round" in batched([5.0, 5.2, 5.4], [0.24, 0.25, 0.26])

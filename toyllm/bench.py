@@ -52,27 +52,36 @@ def naive_vs_cached(model, prompt_len: int = 64, new_tokens: int = 256, rounds: 
             **time_naive_and_cached(model, ids, new_tokens, rounds, warmup=1)}
 
 
-def time_naive_and_cached(model, prompts, new_tokens: int, rounds: int, warmup: int) -> dict:
-    """Greedy generation of ``prompts`` (one prompt or a batch, as ``generate`` takes them) both ways, the
-    two taking turns for ``rounds`` rounds after ``warmup`` untimed ones. Returns each method's runs
-    ("naive", "cached": ``measure.spread``) and medians (seconds), the medians' "speedup", "round_speedups"
-    (each round's naive run over its cached run), the cache's "verdict" against naive (``measure.compare``)
-    and whether both produced the same tokens."""
+def time_naive_and_cached(model, prompts, new_tokens: int, rounds: int, warmup: int,
+                          caches: tuple[str, ...] = ("static",)) -> dict:
+    """Greedy generation of ``prompts`` (one prompt or a batch, as ``generate`` takes them) naive and
+    cached with each of ``caches`` ("static", "dynamic"), all taking turns for ``rounds`` rounds after
+    ``warmup`` untimed ones. Returns, for the first cache: each method's runs ("naive", "cached":
+    ``measure.spread``) and medians (seconds), the medians' "speedup", "round_speedups" (each round's
+    naive run over its cached run), the cache's "verdict" against naive (``measure.compare``) and whether
+    both produced the same tokens; "other_caches": the same for each further cache (one dict each)."""
     from .generation import generate
     from .measure import compare, interleaved_runs, spread
 
     outs = {}
 
-    def run(method):
-        result = generate(model, prompts, new_tokens, method=method)
-        outs[method] = [r.output_ids for r in result] if isinstance(result, list) else result.output_ids
+    def run(method, cache):
+        result = generate(model, prompts, new_tokens, method=method, cache=cache)
+        outs[method if method == "naive" else cache] = \
+            [r.output_ids for r in result] if isinstance(result, list) else result.output_ids
 
-    runs = interleaved_runs({m: (lambda m=m: run(m)) for m in ("naive", "cached")}, rounds, warmup=warmup)
-    naive, cached = spread(runs["naive"]), spread(runs["cached"])
-    return {"naive": naive, "cached": cached, "naive_s": naive.median, "cached_s": cached.median,
-            "speedup": naive.median / cached.median,
-            "round_speedups": [a / b for a, b in zip(runs["naive"], runs["cached"])],
-            "verdict": compare(cached, naive), "identical": outs["naive"] == outs["cached"]}
+    arms = {"naive": lambda: run("naive", caches[0]), **{c: (lambda c=c: run("cached", c)) for c in caches}}
+    runs = interleaved_runs(arms, rounds, warmup=warmup)
+    naive = spread(runs["naive"])
+
+    def against_naive(cache):
+        cached = spread(runs[cache])
+        return {"cache": cache, "cached": cached, "cached_s": cached.median, "speedup": naive.median / cached.median,
+                "round_speedups": [a / b for a, b in zip(runs["naive"], runs[cache])],
+                "verdict": compare(cached, naive), "identical": outs["naive"] == outs[cache]}
+
+    return {"naive": naive, "naive_s": naive.median, **against_naive(caches[0]),
+            "other_caches": [against_naive(c) for c in caches[1:]]}
 
 
 def cpu_name() -> str:
@@ -630,21 +639,37 @@ def bench_batched(quick: bool = False) -> dict:
     Both methods use the dense kernel, the course's default and the blog's
     own attention (all of QK^T, then the causal mask); naive's score tensor
     reaches (prompts, 1, 150, 150), 900 MB in float32 at 10000 prompts.
+    The cache is the blog's own, one that grows by concatenation ("dynamic");
+    the static cache runs in the same rounds as a second row.
     One run each would let a slow spell of the shared machine decide the
-    ratio: the two take turns for 3 rounds after an untimed round (the first
-    runs of a process pay for mapping its memory, the cached one most), and
+    ratio: the three take turns for 3 rounds after an untimed round (the first
+    runs of a process pay for mapping its memory, the cached ones most), and
     each round's ratio (naive over the cached run of the same round) is kept.
+    "products": why the static cache is the slower one here, the attention
+    products of one step at the middle of the generation on both layouts
+    (``window_products``).
     quick: 500 prompts, one round, no warm-up.
     """
-    from .bench_decode import BLOG_NEW_TOKENS, BLOG_PROMPT_LEN, BLOG_PROMPTS, BLOG_TOY
+    from .bench_decode import BLOG_NEW_TOKENS, BLOG_PROMPT_LEN, BLOG_PROMPTS, BLOG_TOY, window_products
+    from .measure import compare
 
     n = 500 if quick else BLOG_PROMPTS
     prompts = torch.randint(0, BLOG_TOY.vocab_size, (n, BLOG_PROMPT_LEN), generator=torch.Generator().manual_seed(0))
     model = build_model(BLOG_TOY, attention="dense")
     row = {"prompts": n, "prompt_len": BLOG_PROMPT_LEN, "new_tokens": BLOG_NEW_TOKENS, "config": BLOG_TOY.to_dict(),
            "threads": torch.get_num_threads(), "warmup": 0 if quick else 1,
-           **time_naive_and_cached(model, prompts, BLOG_NEW_TOKENS, 1 if quick else 3, warmup=0 if quick else 1)}
-    _progress({k: v for k, v in row.items() if k not in ("config", "naive", "cached", "verdict")})
+           **time_naive_and_cached(model, prompts, BLOG_NEW_TOKENS, 1 if quick else 3, warmup=0 if quick else 1,
+                                   caches=("dynamic", "static"))}
+    _progress({k: v for k, v in row.items() if k not in ("config", "naive", "cached", "verdict", "other_caches")})
+    _progress({k: v for k, v in row["other_caches"][0].items() if k not in ("cached", "verdict")})
+    row["caches_verdict"] = compare(row["cached"], row["other_caches"][0]["cached"])     # growing vs static
+    total = BLOG_PROMPT_LEN + BLOG_NEW_TOKENS
+    middle = BLOG_PROMPT_LEN + BLOG_NEW_TOKENS // 2
+    # the static cache generate makes: room for S - 1 = total - 1 rows, twice that reserved
+    row["products"] = {"cached_tokens": middle, "capacity": 2 * (total - 1),
+                       **window_products(n, middle, 2 * (total - 1), BLOG_TOY.head_dim, 2 if quick else 5)}
+    _progress({"cached_tokens": middle, "window_s": row["products"]["window"].median,
+               "packed_s": row["products"]["packed"].median})
     return row
 
 

@@ -40,6 +40,34 @@ BLOG_PROMPTS, BLOG_PROMPT_LEN, BLOG_NEW_TOKENS = 10000, 50, 100
 CHAT_PROMPT = "What is the capital of France?"
 
 
+@torch.inference_mode()
+def window_products(batch: int, keys: int, capacity: int, head_dim: int, rounds: int = 5) -> dict:
+    """Seconds of one decode step's two attention products (q k^T, then the weights times v) for
+    ``batch`` one-head sequences of ``keys`` cached tokens, the keys and values laid out two ways:
+
+    - "window": each sequence's rows a slice of a longer row of ``capacity`` slots, as a static cache
+      holds them (sequences ``capacity`` rows apart);
+    - "packed": the same rows back to back, as a growing cache's ``torch.cat`` leaves them.
+
+    The two take turns for ``rounds`` rounds after a warm-up round: their ``measure.spread``s, and
+    "verdict", packed against window (``measure.compare``).
+    """
+    from .measure import interleaved_runs, spread
+
+    g = torch.Generator().manual_seed(0)
+    buffer = torch.randn(batch, 1, capacity, head_dim, generator=g)
+    window = buffer[:, :, capacity - keys:]                              # (B, 1, S, D), B rows apart
+    packed = window.contiguous()                                         # (B, 1, S, D), back to back
+    q = torch.randn(batch, 1, 1, head_dim, generator=g)
+
+    def products(kv):
+        return lambda: torch.softmax(q @ kv.transpose(-2, -1), dim=-1) @ kv
+
+    runs = interleaved_runs({"window": products(window), "packed": products(packed)}, rounds)
+    window_s, packed_s = spread(runs["window"]), spread(runs["packed"])
+    return {"window": window_s, "packed": packed_s, "verdict": compare(packed_s, window_s)}
+
+
 def copy_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
     """Measured memory bandwidth in bytes/s: bytes read plus bytes written by copying an nbytes buffer."""
     src = torch.ones(nbytes // 4)            # touched, so its pages are real memory, not the shared zero page
