@@ -372,6 +372,11 @@ def test_fit_runs_gives_tsps_all_gather_its_own_cost_from_the_shortest_span_of_e
     # Fewer than two piece sizes: nothing to fit, the link serves the all-gather.
     one = CostModel.fit_runs(BENCH, runs[:1] + runs[3:], **link)
     assert (one.allgather_bandwidth_bytes_per_s, one.allgather_latency_s) == (None, None)
+    # A what-if link carries the all-gather too: the measured cost goes, the link's own takes its place.
+    faster = cm.with_link(40e9, latency_s=10e-6)
+    assert (faster.allgather_bandwidth_bytes_per_s, faster.allgather_latency_s) == (None, None)
+    assert faster.allgather_step_s(piece) == faster.transfer_s(piece) == pytest.approx(piece / 40e9 + 10e-6)
+    assert cm.with_link(40e9).link_latency_s == cm.link_latency_s
     with pytest.raises(ValueError, match="give both or neither"):
         plain.with_(allgather_latency_s=1e-3)
     with pytest.raises(ValueError, match="allgather_bandwidth_bytes_per_s must be positive"):

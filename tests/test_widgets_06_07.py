@@ -43,6 +43,15 @@ def test_network_explorer_recomputes_the_three_methods():
     assert f"{ex.speedup['TSP, p=4']:.2f}x" in ex.text.value
 
 
+def test_the_network_explorers_link_carries_tsps_all_gather_too():
+    """A cost model fitted on this machine carries the all-gather it measured; the slider's link replaces
+    it, so TSP's time follows the slider as KV-Runahead's does."""
+    measured = CM.with_(allgather_bandwidth_bytes_per_s=0.5e9, allgather_latency_s=1e-3)
+    ex = widgets.NetworkExplorer(BENCH, measured, context=2048, bandwidth_gbps=100.0, world_size=2, plot=False)
+    assert ex.times_s["TSP, p=2"] == simulate_prefill(BENCH, [1024, 1024], "tsp", CM.with_link(100e9)).ttft_s
+    assert ex.times_s["TSP, p=2"] < simulate_prefill(BENCH, [1024, 1024], "tsp", measured).ttft_s
+
+
 def test_network_explorer_draws_bars():
     ex = widgets.NetworkExplorer(BENCH, CM, context=1024)
     assert len(ex.figure.axes[0].patches) == 3

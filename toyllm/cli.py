@@ -526,9 +526,7 @@ def cmd_search(args, plan: dict) -> int:
                     print("calibrating the cost model on this machine (1 thread) ...", flush=True)
                 cost_model = CostModel.calibrate(cfg, attention=spec.attention)
             if args.bandwidth:
-                # A what-if link carries TSP's all-gather too: drop any all-gather measured on this machine.
-                cost_model = cost_model.with_(link_bandwidth_bytes_per_s=args.bandwidth * 1e9,
-                                              allgather_bandwidth_bytes_per_s=None, allgather_latency_s=None)
+                cost_model = cost_model.with_link(args.bandwidth * 1e9)
             elif not args.cost_model:
                 from .parallel import measure_link
 

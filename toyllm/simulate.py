@@ -136,6 +136,16 @@ class CostModel:
         """A copy with some fields changed, e.g. ``cm.with_(link_bandwidth_bytes_per_s=10e9)``."""
         return dataclasses.replace(self, **changes)
 
+    def with_link(self, bandwidth_bytes_per_s: float, latency_s: float | None = None) -> "CostModel":
+        """A what-if link between the processes: this bandwidth (bytes/s), and this latency (seconds) if
+        given. Any all-gather cost measured on this machine is dropped: the new link carries TSP's
+        all-gather too, so its ring steps cost what the link's messages cost (``allgather_step_s``)."""
+        changes = {"link_bandwidth_bytes_per_s": bandwidth_bytes_per_s,
+                   "allgather_bandwidth_bytes_per_s": None, "allgather_latency_s": None}
+        if latency_s is not None:
+            changes["link_latency_s"] = latency_s
+        return self.with_(**changes)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

@@ -447,7 +447,7 @@ class NetworkExplorer(_Explorer):
         from .partition import even_partition
         from .simulate import simulate_prefill
 
-        cm = self.cost_model.with_(link_bandwidth_bytes_per_s=self.bandwidth.value * 1e9)
+        cm = self.cost_model.with_link(self.bandwidth.value * 1e9)
         C, p = self.context.value, self.world_size.value
         even = even_partition(C, p)
         self.times_s = {
