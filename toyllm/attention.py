@@ -94,8 +94,11 @@ def for_one_pass(kernel: AttentionFn) -> AttentionFn:
     stats the file. That is microseconds, and a small model's decode step
     calls the kernel on every layer: on the bench preset, about 35 us of
     a 0.6 ms step (measured). Here it is looked up once for the pass.
+    Under ``torch.compile`` the kernel is returned as it is: the compiler
+    traces the lookup inside each call (measured: binding it here made
+    inductor fail to compile SmolLM2's decode step in float32).
     """
-    if kernel is not dense_attention:
+    if kernel is not dense_attention or torch.compiler.is_compiling():
         return kernel
     return handles_gqa(functools.partial(_dense_with, exercise("2.1")))
 
