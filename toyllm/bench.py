@@ -65,12 +65,12 @@ def time_naive_and_cached(model, prompts, new_tokens: int, rounds: int, warmup: 
 
     outs = {}
 
-    def run(method, cache):
-        result = generate(model, prompts, new_tokens, method=method, cache=cache)
-        outs[method if method == "naive" else cache] = \
-            [r.output_ids for r in result] if isinstance(result, list) else result.output_ids
+    def run(arm, **how):
+        result = generate(model, prompts, new_tokens, **how)
+        outs[arm] = [r.output_ids for r in result] if isinstance(result, list) else result.output_ids
 
-    arms = {"naive": lambda: run("naive", caches[0]), **{c: (lambda c=c: run("cached", c)) for c in caches}}
+    arms = {"naive": lambda: run("naive", method="naive"),
+            **{c: (lambda c=c: run(c, method="cached", cache=c)) for c in caches}}
     runs = interleaved_runs(arms, rounds, warmup=warmup)
     naive = spread(runs["naive"])
 
@@ -651,6 +651,7 @@ def bench_batched(quick: bool = False) -> dict:
     quick: 500 prompts, one round, no warm-up.
     """
     from .bench_decode import BLOG_NEW_TOKENS, BLOG_PROMPT_LEN, BLOG_PROMPTS, BLOG_TOY, window_products
+    from .cache import make_cache
     from .measure import compare
 
     n = 500 if quick else BLOG_PROMPTS
@@ -663,11 +664,11 @@ def bench_batched(quick: bool = False) -> dict:
     _progress({k: v for k, v in row.items() if k not in ("config", "naive", "cached", "verdict", "other_caches")})
     _progress({k: v for k, v in row["other_caches"][0].items() if k not in ("cached", "verdict")})
     row["caches_verdict"] = compare(row["cached"], row["other_caches"][0]["cached"])     # growing vs static
-    total = BLOG_PROMPT_LEN + BLOG_NEW_TOKENS
     middle = BLOG_PROMPT_LEN + BLOG_NEW_TOKENS // 2
-    # the static cache generate makes: room for S - 1 = total - 1 rows, twice that reserved
-    row["products"] = {"cached_tokens": middle, "capacity": 2 * (total - 1),
-                       **window_products(n, middle, 2 * (total - 1), BLOG_TOY.head_dim, 2 if quick else 5)}
+    # the rows per sequence of the static cache generate makes for this request (one sequence is enough to ask)
+    capacity = make_cache("static", BLOG_TOY, BLOG_PROMPT_LEN + BLOG_NEW_TOKENS).capacity
+    row["products"] = {"cached_tokens": middle, "capacity": capacity,
+                       **window_products(n, middle, capacity, BLOG_TOY.head_dim, 2 if quick else 5)}
     _progress({"cached_tokens": middle, "window_s": row["products"]["window"].median,
                "packed_s": row["products"]["packed"].median})
     return row

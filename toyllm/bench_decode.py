@@ -56,7 +56,7 @@ def window_products(batch: int, keys: int, capacity: int, head_dim: int, rounds:
 
     g = torch.Generator().manual_seed(0)
     buffer = torch.randn(batch, 1, capacity, head_dim, generator=g)
-    window = buffer[:, :, capacity - keys:]                              # (B, 1, S, D), B rows apart
+    window = buffer[:, :, capacity - keys:]                              # (B, 1, S, D), capacity rows apart
     packed = window.contiguous()                                         # (B, 1, S, D), back to back
     q = torch.randn(batch, 1, 1, head_dim, generator=g)
 
