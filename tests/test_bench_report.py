@@ -338,3 +338,34 @@ def test_time_split_sums_each_ranks_timeline_by_what_it_was_doing():
                                  "compute": 4.5}
     assert (split["imbalance"], split["compute"], split["waiting"]) == (2.5, 11.5, 2.0)
     assert split["ttft"] == 7.5 and split["partition"] == [600, 400]
+
+
+def test_naive_and_cached_timing_takes_cache_kinds_and_cache_factories():
+    """Each cache is a kind or a (name, new-cache function) pair; every run gets a fresh cache."""
+    import torch
+
+    from toyllm import DynamicKVCache, build_model
+    from toyllm.bench import time_naive_and_cached
+
+    model = build_model("tiny", seed=0)
+    made = []
+
+    def roomy():
+        made.append(DynamicKVCache(model.config.n_layers, headroom=2))
+        return made[-1]
+
+    prompts = torch.randint(0, model.config.vocab_size, (3, 6), generator=torch.Generator().manual_seed(0))
+    row = time_naive_and_cached(model, prompts, 5, rounds=2, warmup=1, caches=("dynamic", ("roomy", roomy)))
+    assert row["cache"] == "dynamic" and [c["cache"] for c in row["other_caches"]] == ["roomy"]
+    assert len(made) == 3 and len({id(c) for c in made}) == 3          # a warm-up and two rounds, a cache each
+    assert all(c.length == 6 + 4 for c in made)
+    assert row["identical"] and row["other_caches"][0]["identical"]
+    assert len(row["round_speedups"]) == len(row["other_caches"][0]["round_speedups"]) == 2
+
+
+def test_window_products_times_each_layout_in_turns():
+    from toyllm.bench_decode import window_products
+
+    out = window_products(batch=4, keys=10, gaps=(0, 3, 20), head_dim=8, rounds=2)
+    assert out["gaps"] == [0, 3, 20] and [len(r.runs) for r in out["runs"]] == [2, 2, 2]
+    assert out["verdict"].ours is out["runs"][0] and out["verdict"].base is out["runs"][-1]

@@ -25,6 +25,57 @@ def test_static_equals_dynamic(reserve):
     assert dyn.length == sta.length == 19
 
 
+@pytest.mark.parametrize("headroom", [1, 4, 30])
+def test_headroom_holds_what_concatenation_holds(headroom):
+    steps = [5] + [1] * 10 + [3]                # a prefill, decode steps, then a 3-token chunk
+    cat, roomy = DynamicKVCache(2), DynamicKVCache(2, headroom=headroom)
+    kc, vc = _fill(cat, steps)
+    kr, vr = _fill(roomy, steps)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr) and roomy.length == cat.length == 18
+    assert torch.equal(roomy.keys(1), kc) and torch.equal(roomy.values(1), vc)
+    assert kr.shape == (1, 2, 18, 8)                        # the rows held, never the spare ones
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(roomy, cat))
+
+
+def test_headroom_copies_every_few_appends():
+    """After a 5-token prefill, 10 single appends: concatenation copies on each of them, 5 + 6 + ... + 14
+    rows; 4 rows of headroom copy when the buffer of 9 rows is full (9 rows), then at 14 (14 rows)."""
+    cat, roomy = DynamicKVCache(2), DynamicKVCache(2, headroom=4)
+    _fill(cat, [5] + [1] * 10)
+    _fill(roomy, [5] + [1] * 10)
+    assert (cat.copies, cat.copied_rows) == (2 * 10, 2 * sum(range(5, 15)))        # 2 layers
+    assert (roomy.copies, roomy.copied_rows) == (2 * 2, 2 * (9 + 14))
+
+
+def test_headroom_cache_filled_in_inference_mode_is_written_in_place_outside_it():
+    cache = DynamicKVCache(2, headroom=3)
+    with torch.inference_mode():
+        _fill(cache, [2])
+    k, _ = _fill(cache, [1, 1])                 # fits the spare rows: written in place, autograd on
+    assert cache.length == 4 and cache.copies == 0 and not k.is_inference()
+
+
+@pytest.mark.parametrize("headroom", [-1, 1.5, True, "4"])
+def test_headroom_must_be_a_whole_number_of_rows(headroom):
+    with pytest.raises(ValueError, match="headroom must be a whole number of rows >= 0"):
+        DynamicKVCache(2, headroom=headroom)
+
+
+def test_a_dynamic_cache_with_headroom_generates_the_same_tokens():
+    from toyllm import generate
+
+    model = build_model("tiny", seed=0)
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+    cache = make_cache("dynamic", model.config, 20, headroom=4)
+    assert cache.headroom == 4
+    roomy = generate(model, prompts, 12, cache=cache, return_logits=True)
+    plain = generate(model, prompts, 12, cache="dynamic", return_logits=True)
+    assert [r.output_ids for r in roomy] == [r.output_ids for r in plain]
+    for a, b in zip(roomy, plain):
+        torch.testing.assert_close(a.logits, b.logits)     # float32 defaults: only the layout differs
+    assert cache.copies == model.config.n_layers * 2      # 4 + 11 rows: it copies when full at 8 and at 13
+
+
 def test_two_times_s_minus_1_reservation_never_copies():
     cache = StaticKVCache(2, 2, 8, window=19, reserve=2.0)
     _fill(cache, [5] + [1] * 14)

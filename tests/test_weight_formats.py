@@ -224,24 +224,42 @@ def test_the_weights_and_batched_sections_render_their_verdicts_from_the_numbers
             "warmup": 1, "naive": naive, "naive_s": naive.median, **against("dynamic", naive, cached_runs), **more})
 
     text = batched([3.0, 2.9, 3.3], [0.25, 0.24, 0.26])
-    assert "| 10 x 50 | dynamic (the blog's) | 3.00 [2.90-3.30] | 0.25 [0.24-0.26] | 12.0x | 12.0-12.7x | True |" \
+    assert "| 10 x 50 | dynamic (the blog's) | - | 3.00 [2.90-3.30] | 0.25 [0.24-0.26] | 12.0x | 12.0-12.7x | True |" \
         in text
-    assert "after an untimed round of each" in text and "The two caches" not in text
-    window, packed = spread([0.0155, 0.0160, 0.0170]), spread([0.0068, 0.0070, 0.0072])
-    text = batched([3.0, 2.9, 3.3], [0.25, 0.24, 0.26],
-                   other_caches=[against("static", spread([3.0, 2.9, 3.3]), [0.30, 0.29, 0.31])],
-                   caches_verdict=compare([0.25, 0.24, 0.26], [0.30, 0.29, 0.31]),
-                   products={"cached_tokens": 100, "capacity": 298, "window": window, "packed": packed,
-                             "verdict": compare(packed, window)})
-    assert "| 10 x 50 | static | 3.00 [2.90-3.30] | 0.30 [0.29-0.31] | 10.0x | 10.0-10.6x | True |" in text
-    assert "lie 298 rows apart" in text and "one step at 100 cached tokens" in text
-    assert "With the static cache (10.00x, the medians) it is missed in every round." in text
-    assert "from the same rounds: growing 250.0 ms [240.0-260.0 ms] vs static 300.0 ms [290.0-310.0 ms]: growing is " \
-           "1.20x faster." in text
-    assert "packed rows 7.0 ms [6.8-7.2 ms] vs the static cache's windows 16.0 ms [15.5-17.0 ms]: packed rows " \
-           "is 2.29x faster" in text
-    assert "12.00x faster than recomputing" in text and "target (the blog measured 22x" in text
-    assert "is missed in every round" in text
+    assert "after an untimed round of each" in text and "Why they differ" not in text
+    assert "Against the blog's cache" not in text and "headroom h" not in text
+    assert "- dynamic (the blog's): 12.00x (the medians), missed in every round." in text
+    assert "target (the blog measured 22x" in text
+
+    def other(cache, cached_runs, copies):
+        return {**against(cache, spread([3.0, 2.9, 3.3]), cached_runs), "copies": copies,
+                "against_blog": compare(cached_runs, [0.25, 0.24, 0.26])}
+
+    gaps = [0, 4, 198]
+    runs = [spread([0.0068, 0.0070, 0.0072]), spread([0.0100, 0.0101, 0.0104]), spread([0.0155, 0.0160, 0.0170])]
+    text = batched([3.0, 2.9, 3.3], [0.25, 0.24, 0.26], copies=99,
+                   other_caches=[other("dynamic, headroom=4", [0.14, 0.13, 0.15], 19),
+                                 other("static", [0.30, 0.29, 0.31], 0)],
+                   products={"cached_tokens": 100, "capacity": 298, "gaps": gaps, "runs": runs,
+                             "verdict": compare(runs[0], runs[-1])})
+    assert "| 10 x 50 | dynamic (the blog's) | 99 | 3.00 [2.90-3.30] | 0.25 [0.24-0.26] | 12.0x |" in text
+    assert "| 10 x 50 | dynamic, headroom=4 | 19 | 3.00 [2.90-3.30] | 0.14 [0.13-0.15] | 21.4x | 21.4-22.3x |" in text
+    assert "| 10 x 50 | static | 0 | 3.00 [2.90-3.30] | 0.30 [0.29-0.31] | 10.0x | 10.0-10.6x | True |" in text
+    assert "- dynamic, headroom=4: 21.43x (the medians), met in every round." in text
+    assert "- static: 10.00x (the medians), missed in every round." in text
+    assert "- dynamic, headroom=4 140.0 ms [130.0-150.0 ms] vs the blog's 250.0 ms [240.0-260.0 ms]: " \
+           "dynamic, headroom=4 is 1.79x faster." in text
+    assert "- static 300.0 ms [290.0-310.0 ms] vs the blog's 250.0 ms [240.0-260.0 ms]: static is 1.20x slower." in text
+    assert "| rows between sequences | 0 | 4 | 198 |" in text
+    assert "| both products (ms) | 7.0 [6.8-7.2] | 10.1 [10.0-10.4] | 16.0 [15.5-17.0] |" in text
+    assert "slots of 298 rows leave 198 at this length" in text and "one decode step at 100 cached tokens" in text
+    assert "0 rows apart 7.0 ms [6.8-7.2 ms] vs 198 rows apart 16.0 ms [15.5-17.0 ms]: 0 rows apart is 2.29x " \
+           "faster. So the static cache saves the copies" in text
+    tie = [spread([0.0068, 0.0070, 0.0072])] * 3
+    text = batched([3.0, 2.9, 3.3], [0.25, 0.24, 0.26], other_caches=[other("static", [0.30, 0.29, 0.31], 0)],
+                   products={"cached_tokens": 100, "capacity": 298, "gaps": gaps, "runs": tie,
+                             "verdict": compare(tie[0], tie[-1])})
+    assert "a tie" in text and "did not decide the products' time" in text and "saves the copies" not in text
     assert "met in every round" in batched([5.0, 5.2, 5.4], [0.24, 0.25, 0.26])
     assert "met in some rounds and missed in others" in batched([4.0, 5.2, 5.4], [0.24, 0.25, 0.26])
 

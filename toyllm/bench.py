@@ -53,24 +53,29 @@ def naive_vs_cached(model, prompt_len: int = 64, new_tokens: int = 256, rounds: 
 
 
 def time_naive_and_cached(model, prompts, new_tokens: int, rounds: int, warmup: int,
-                          caches: tuple[str, ...] = ("static",)) -> dict:
+                          caches: tuple = ("static",)) -> dict:
     """Greedy generation of ``prompts`` (one prompt or a batch, as ``generate`` takes them) naive and
-    cached with each of ``caches`` ("static", "dynamic"), all taking turns for ``rounds`` rounds after
-    ``warmup`` untimed ones. Returns, for the first cache: each method's runs ("naive", "cached":
-    ``measure.spread``) and medians (seconds), the medians' "speedup", "round_speedups" (each round's
-    naive run over its cached run), the cache's "verdict" against naive (``measure.compare``) and whether
-    both produced the same tokens; "other_caches": the same for each further cache (one dict each)."""
+    cached with each of ``caches``, all taking turns for ``rounds`` rounds after ``warmup`` untimed ones.
+    A cache is a kind ("static", "dynamic") or a (name, function returning a new cache object) pair.
+    Returns, for the first cache: each method's runs ("naive", "cached": ``measure.spread``) and medians
+    (seconds), the medians' "speedup", "round_speedups" (each round's naive run over its cached run), the
+    cache's "verdict" against naive (``measure.compare``) and whether both produced the same tokens;
+    "other_caches": the same for each further cache (one dict each)."""
     from .generation import generate
     from .measure import compare, interleaved_runs, spread
 
     outs = {}
+    named = dict((c, c) if isinstance(c, str) else c for c in caches)       # name -> kind or new-cache function
 
     def run(arm, **how):
         result = generate(model, prompts, new_tokens, **how)
         outs[arm] = [r.output_ids for r in result] if isinstance(result, list) else result.output_ids
 
-    arms = {"naive": lambda: run("naive", method="naive"),
-            **{c: (lambda c=c: run(c, method="cached", cache=c)) for c in caches}}
+    def cached(name):
+        how = named[name]
+        return lambda: run(name, method="cached", cache=how if isinstance(how, str) else how())
+
+    arms = {"naive": lambda: run("naive", method="naive"), **{name: cached(name) for name in named}}
     runs = interleaved_runs(arms, rounds, warmup=warmup)
     naive = spread(runs["naive"])
 
@@ -80,8 +85,9 @@ def time_naive_and_cached(model, prompts, new_tokens: int, rounds: int, warmup: 
                 "round_speedups": [a / b for a, b in zip(runs["naive"], runs[cache])],
                 "verdict": compare(cached, naive), "identical": outs["naive"] == outs[cache]}
 
-    return {"naive": naive, "naive_s": naive.median, **against_naive(caches[0]),
-            "other_caches": [against_naive(c) for c in caches[1:]]}
+    first, *others = named
+    return {"naive": naive, "naive_s": naive.median, **against_naive(first),
+            "other_caches": [against_naive(c) for c in others]}
 
 
 def cpu_name() -> str:
@@ -639,38 +645,55 @@ def bench_batched(quick: bool = False) -> dict:
     Both methods use the dense kernel, the course's default and the blog's
     own attention (all of QK^T, then the causal mask); naive's score tensor
     reaches (prompts, 1, 150, 150), 900 MB in float32 at 10000 prompts.
-    The cache is the blog's own, one that grows by concatenation ("dynamic");
-    the static cache runs in the same rounds as a second row.
+    The first cache is the blog's own, one that grows by concatenation
+    ("dynamic"); the same growing cache with ``BLOG_HEADROOMS`` rows of headroom
+    and the static cache run in the same rounds as further rows.
     One run each would let a slow spell of the shared machine decide the
-    ratio: the three take turns for 3 rounds after an untimed round (the first
+    ratio: all take turns for 3 rounds after an untimed round (the first
     runs of a process pay for mapping its memory, the cached ones most), and
     each round's ratio (naive over the cached run of the same round) is kept.
-    "products": why the static cache is the slower one here, the attention
-    products of one step at the middle of the generation on both layouts
+    "products": why the caches differ, the attention products of one step at
+    the middle of the generation, rows laid out as each cache lays them out
     (``window_products``).
     quick: 500 prompts, one round, no warm-up.
     """
-    from .bench_decode import BLOG_NEW_TOKENS, BLOG_PROMPT_LEN, BLOG_PROMPTS, BLOG_TOY, window_products
-    from .cache import make_cache
+    from .bench_decode import (BLOG_HEADROOMS, BLOG_NEW_TOKENS, BLOG_PROMPT_LEN, BLOG_PROMPTS, BLOG_TOY,
+                               window_products)
+    from .cache import DynamicKVCache, make_cache
+    from .generation import generate
     from .measure import compare
 
     n = 500 if quick else BLOG_PROMPTS
     prompts = torch.randint(0, BLOG_TOY.vocab_size, (n, BLOG_PROMPT_LEN), generator=torch.Generator().manual_seed(0))
     model = build_model(BLOG_TOY, attention="dense")
+    with_headroom = [(f"dynamic, headroom={h}", lambda h=h: DynamicKVCache(BLOG_TOY.n_layers, headroom=h))
+                     for h in BLOG_HEADROOMS]
+    caches = ("dynamic", *with_headroom, "static")
     row = {"prompts": n, "prompt_len": BLOG_PROMPT_LEN, "new_tokens": BLOG_NEW_TOKENS, "config": BLOG_TOY.to_dict(),
            "threads": torch.get_num_threads(), "warmup": 0 if quick else 1,
            **time_naive_and_cached(model, prompts, BLOG_NEW_TOKENS, 1 if quick else 3, warmup=0 if quick else 1,
-                                   caches=("dynamic", "static"))}
+                                   caches=caches)}
+
+    def copies(how) -> int:
+        """Times the cache copied what it held during one generation of this length (one sequence is enough)."""
+        cache = make_cache(how, BLOG_TOY, BLOG_PROMPT_LEN + BLOG_NEW_TOKENS) if isinstance(how, str) else how()
+        generate(model, prompts[:1], BLOG_NEW_TOKENS, cache=cache)
+        return cache.copies // BLOG_TOY.n_layers
+
+    for entry, how in zip([row, *row["other_caches"]], (c if isinstance(c, str) else c[1] for c in caches)):
+        entry["copies"] = copies(how)
     _progress({k: v for k, v in row.items() if k not in ("config", "naive", "cached", "verdict", "other_caches")})
-    _progress({k: v for k, v in row["other_caches"][0].items() if k not in ("cached", "verdict")})
-    row["caches_verdict"] = compare(row["cached"], row["other_caches"][0]["cached"])     # growing vs static
+    for other in row["other_caches"]:
+        other["against_blog"] = compare(other["cached"], row["cached"])
+        _progress({k: v for k, v in other.items() if k not in ("cached", "verdict", "against_blog")})
     middle = BLOG_PROMPT_LEN + BLOG_NEW_TOKENS // 2
     # the rows per sequence of the static cache generate makes for this request (one sequence is enough to ask)
     capacity = make_cache("static", BLOG_TOY, BLOG_PROMPT_LEN + BLOG_NEW_TOKENS).capacity
     row["products"] = {"cached_tokens": middle, "capacity": capacity,
-                       **window_products(n, middle, capacity, BLOG_TOY.head_dim, 2 if quick else 5)}
-    _progress({"cached_tokens": middle, "window_s": row["products"]["window"].median,
-               "packed_s": row["products"]["packed"].median})
+                       **window_products(n, middle, (0, 1, 2, 4, 8, 16, capacity - middle), BLOG_TOY.head_dim,
+                                         2 if quick else 5)}
+    _progress({"cached_tokens": middle, **{f"gap {g}": r.median for g, r in zip(row["products"]["gaps"],
+                                                                               row["products"]["runs"])}})
     return row
 
 

@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 from contextlib import contextmanager
+from typing import Sequence
 
 import torch
 
@@ -36,36 +37,36 @@ from .utils import median_time
 BLOG_TOY = ModelConfig(vocab_size=100, d_model=32, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=32,
                        ffn_dim=32, max_context=256)
 BLOG_PROMPTS, BLOG_PROMPT_LEN, BLOG_NEW_TOKENS = 10000, 50, 100
+# Rows of headroom the experiment also tries on the growing cache: it copies itself every 2, 5 and 17 steps.
+BLOG_HEADROOMS = (1, 4, 16)
 
 CHAT_PROMPT = "What is the capital of France?"
 
 
 @torch.inference_mode()
-def window_products(batch: int, keys: int, capacity: int, head_dim: int, rounds: int = 5) -> dict:
+def window_products(batch: int, keys: int, gaps: Sequence[int], head_dim: int, rounds: int = 5) -> dict:
     """Seconds of one decode step's two attention products (q k^T, then the weights times v) for
-    ``batch`` one-head sequences of ``keys`` cached tokens, the keys and values laid out two ways:
+    ``batch`` one-head sequences of ``keys`` cached tokens, for each layout in ``gaps``: each sequence's
+    rows back to back, then ``gap`` rows of other memory before the next sequence's rows.
 
-    - "window": each sequence's rows a slice of a longer row of ``capacity`` slots, as a static cache
-      holds them (sequences ``capacity`` rows apart);
-    - "packed": the same rows back to back, as a growing cache's ``torch.cat`` leaves them.
-
-    The two take turns for ``rounds`` rounds after a warm-up round: their ``measure.spread``s, and
-    "verdict", packed against window (``measure.compare``).
+    Gap 0 is how a growing cache's ``torch.cat`` leaves them; a few rows, a growing cache with headroom;
+    capacity - keys, a static cache's slots. Same rows, same arithmetic: only the layout differs. The
+    layouts take turns for ``rounds`` rounds after a warm-up round. Returns "gaps", "runs" (one
+    ``measure.spread`` per gap) and "verdict": the first gap against the last (``measure.compare``).
     """
     from .measure import interleaved_runs, spread
 
     g = torch.Generator().manual_seed(0)
-    buffer = torch.randn(batch, 1, capacity, head_dim, generator=g)
-    window = buffer[:, :, capacity - keys:]                              # (B, 1, S, D), capacity rows apart
-    packed = window.contiguous()                                         # (B, 1, S, D), back to back
     q = torch.randn(batch, 1, 1, head_dim, generator=g)
 
-    def products(kv):
+    def products(gap):
+        buffer = torch.randn(batch, 1, keys + gap, head_dim, generator=g)
+        kv = buffer[:, :, :keys]                                          # (B, 1, S, D), keys + gap rows apart
         return lambda: torch.softmax(q @ kv.transpose(-2, -1), dim=-1) @ kv
 
-    runs = interleaved_runs({"window": products(window), "packed": products(packed)}, rounds)
-    window_s, packed_s = spread(runs["window"]), spread(runs["packed"])
-    return {"window": window_s, "packed": packed_s, "verdict": compare(packed_s, window_s)}
+    runs = interleaved_runs({gap: products(gap) for gap in gaps}, rounds)
+    spreads = [spread(runs[gap]) for gap in gaps]
+    return {"gaps": list(gaps), "runs": spreads, "verdict": compare(spreads[0], spreads[-1])}
 
 
 def copy_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:

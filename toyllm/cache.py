@@ -10,8 +10,9 @@ Both caches have the same interface, so generation can use either:
 - ``cache.keys(layer)`` / ``cache.values(layer)`` read a layer back.
 
 ``DynamicKVCache`` grows by concatenation: simple, but each append copies the
-whole layer. ``StaticKVCache`` preallocates one buffer per layer, as an
-accelerator without dynamic shapes must, and makes appending free.
+whole layer (with ``headroom``, only every few appends). ``StaticKVCache``
+preallocates one buffer per layer, as an accelerator without dynamic shapes
+must, and makes appending free.
 """
 from __future__ import annotations
 
@@ -22,35 +23,80 @@ from .model import ModelConfig
 
 
 class DynamicKVCache:
-    """A cache that grows with ``torch.cat``: every append allocates and copies."""
+    """A cache that grows as tokens arrive: every append allocates and copies, unless it has headroom.
 
-    def __init__(self, n_layers: int):
-        self.n_layers = n_layers
-        self._k: list[torch.Tensor | None] = [None] * n_layers
+    With ``headroom`` = 0 (the default, the KV-cache blog's cache) each append
+    is a ``torch.cat``: a new buffer per layer, the whole cache copied into it.
+    With ``headroom`` = h > 0 a growth copies the cache into a buffer with h
+    spare rows per sequence, and the next appends (up to h tokens) write into
+    them in place: one copy every h + 1 decode steps, as a Python list
+    over-allocates to append in amortised constant time. Either way each
+    sequence's rows lie together, at most h rows of spare space between one
+    sequence and the next, which is what a batched matrix product reads
+    fastest (``bench_decode.window_products`` measures it). ``copies`` counts
+    the growths that copied held rows; ``copied_rows`` the rows they moved
+    (per sequence and head, K and V counted once).
+    """
+
+    def __init__(self, n_layers: int, headroom: int = 0):
+        if isinstance(headroom, bool) or not isinstance(headroom, int) or headroom < 0:
+            raise ValueError(f"headroom must be a whole number of rows >= 0, got {headroom!r}")
+        self.n_layers, self.headroom = n_layers, headroom
+        self._k: list[torch.Tensor | None] = [None] * n_layers     # per layer: (B, Hkv, rows, D), rows >= held
         self._v: list[torch.Tensor | None] = [None] * n_layers
+        self._len = [0] * n_layers                                  # per layer: rows held
+        self.copies = self.copied_rows = 0
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, max_tokens: int | None = None, **_) -> "DynamicKVCache":
-        return cls(cfg.n_layers)
+    def for_model(cls, cfg: ModelConfig, max_tokens: int | None = None, headroom: int = 0, **_) -> "DynamicKVCache":
+        return cls(cfg.n_layers, headroom)
 
     @property
     def length(self) -> int:
-        k = self._k[-1]
-        return 0 if k is None else k.shape[-2]
+        return self._len[-1]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        if self._k[layer] is None:
+        held, T = self._len[layer], k.shape[-2]
+        first = self._k[layer] is None
+        full = not first and held + T > self._k[layer].shape[-2]        # no room left: the held rows move
+        if full:
+            self.copies += 1
+            self.copied_rows += held
+        if self.headroom == 0:
+            if full:
+                k = torch.cat([self._k[layer], k], dim=-2)                # (B, Hkv, S, D): a new buffer
+                v = torch.cat([self._v[layer], v], dim=-2)
             self._k[layer], self._v[layer] = k, v
         else:
-            self._k[layer] = torch.cat([self._k[layer], k], dim=-2)     # (B, Hkv, S, D)
-            self._v[layer] = torch.cat([self._v[layer], v], dim=-2)
-        return self._k[layer], self._v[layer]
+            if first or full:
+                self._grow(layer, k, held + T + self.headroom)
+            self._k[layer][:, :, held:held + T] = k                         # in place, into the spare rows
+            self._v[layer][:, :, held:held + T] = v
+        self._len[layer] = held + T
+        return self.keys(layer), self.values(layer)
 
-    def keys(self, layer: int) -> torch.Tensor:
-        return self._k[layer]
+    def _grow(self, layer: int, like: torch.Tensor, rows: int) -> None:
+        """Move layer ``layer`` into new buffers of ``rows`` rows per sequence (the held rows copied)."""
+        B, H, _, D = like.shape
+        held = self._len[layer]
+        # Plain tensors even inside generate's inference mode: the cache may be written in place
+        # later, outside it, and an inference tensor refuses that.
+        with torch.inference_mode(False):
+            k_buf = torch.empty(B, H, rows, D, dtype=like.dtype, device=like.device)     # (B, Hkv, rows, D)
+            v_buf = torch.empty_like(k_buf)
+        if held:
+            k_buf[:, :, :held] = self._k[layer][:, :, :held]
+            v_buf[:, :, :held] = self._v[layer][:, :, :held]
+        self._k[layer], self._v[layer] = k_buf, v_buf
 
-    def values(self, layer: int) -> torch.Tensor:
-        return self._v[layer]
+    def keys(self, layer: int) -> torch.Tensor | None:
+        """The rows held, (B, Hkv, S, D), a view without the spare rows; None before the first append."""
+        k = self._k[layer]
+        return None if k is None else k[:, :, :self._len[layer]]
+
+    def values(self, layer: int) -> torch.Tensor | None:
+        v = self._v[layer]
+        return None if v is None else v[:, :, :self._len[layer]]
 
     @classmethod
     def from_layers(cls, layers) -> "DynamicKVCache":
