@@ -25,6 +25,13 @@ def test_generate_json_naive_equals_cached(capsys):
         assert key in naive
 
 
+def test_generate_with_headroom_gives_the_same_tokens(capsys):
+    base = ["generate", "--model", "tiny", "--prompt", "hello world", "--max-new-tokens", "12", "--json"]
+    plain = run_json(capsys, base)
+    roomy = run_json(capsys, base + ["--headroom", "4"])
+    assert roomy["output_ids"] == plain["output_ids"] and (plain["headroom"], roomy["headroom"]) == (0, 4)
+
+
 @pytest.mark.needs("1.2")
 def test_generate_sampling_is_seeded(capsys):
     argv = ["generate", "--model", "tiny", "--prompt", "abc", "--max-new-tokens", "20", "--json",
@@ -37,6 +44,11 @@ def test_generate_sampling_is_seeded(capsys):
     (["generate", "--model", "nano", "--prompt", "x"], "--model: invalid choice: 'nano'"),
     (["generate", "--model", "tiny", "--prompt", "x", "--top-p", "2"], r"top_p must be in \(0, 1\]"),
     (["generate", "--model", "tiny", "--prompt", "x", "--max-new-tokens", "-3"], "--max-new-tokens must be >= 0"),
+    (["generate", "--model", "tiny", "--prompt", "x", "--headroom", "-1"], "--headroom must be >= 0 rows, got -1"),
+    (["generate", "--model", "tiny", "--prompt", "x", "--cache", "static", "--headroom", "4"],
+     "--headroom applies to the growing cache"),
+    (["generate", "--model", "tiny", "--prompt", "x", "--method", "naive", "--headroom", "4"],
+     "--headroom applies to the growing cache"),
     (["prefill", "--model", "tiny", "--context", "10", "--world-size", "3", "--partition", "5,5"], "2 chunks"),
     (["prefill", "--model", "tiny", "--context", "2", "--world-size", "3"], "world size 3 > context 2"),
     (["search", "--model", "tiny", "--context", "64", "--world-size", "1"], "at least 2"),

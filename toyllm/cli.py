@@ -22,7 +22,7 @@ import torch
 
 from . import answers, grading
 from .attention import ATTENTION_KERNELS
-from .cache import CACHES
+from .cache import CACHES, make_cache
 from .model import PRESETS, get_config
 from .quant import WEIGHT_FORMATS
 from .serving import POLICIES as SERVING_POLICIES
@@ -126,6 +126,9 @@ def check_generate(args) -> tuple:
            f"--top-k {args.top_k}: top-k must be between 1 and {args.model}'s vocabulary size ({vocab})")
     if args.method == "naive":
         _check(args.cache == "dynamic", "--cache applies to --method cached; naive generation keeps no cache")
+    _check(args.headroom >= 0, f"--headroom must be >= 0 rows, got {args.headroom}")
+    _check(args.headroom == 0 or (args.method == "cached" and args.cache == "dynamic"),
+           "--headroom applies to the growing cache: give it with --method cached --cache dynamic")
     check_sampling(args.temperature, args.top_k, args.top_p)
     if args.temperature == 0:
         unused = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
@@ -155,13 +158,16 @@ def cmd_generate(args, prepared: tuple) -> int:
 
     model, tokenizer, ids = prepared
     streamer = None if args.json else TextStreamer(tokenizer)
-    result = generate(model, ids, args.max_new_tokens, method=args.method, cache=args.cache,
+    cache = args.cache
+    if args.method == "cached" and args.headroom:
+        cache = make_cache(args.cache, model.config, len(ids) + args.max_new_tokens, headroom=args.headroom)
+    result = generate(model, ids, args.max_new_tokens, method=args.method, cache=cache,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                       eos_id=tokenizer.eos_id, on_token=streamer)
     text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
     if args.json:
         print(json.dumps({"model": args.model, "weights": args.weights, "method": args.method, "cache": args.cache,
-                          "prompt_ids": result.prompt_ids, "output_ids": result.output_ids, "text": text,
+                          "headroom": args.headroom, "prompt_ids": result.prompt_ids, "output_ids": result.output_ids, "text": text,
                           "ttft_s": result.ttft_s, "tpot_s": result.tpot_s,
                           "stopped_on_eos": result.stopped_on_eos}))
     else:
@@ -258,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--method", choices=list(GENERATION_METHODS), default="cached")
     g.add_argument("--cache", choices=sorted(CACHES), default="dynamic")
+    g.add_argument("--headroom", type=int, default=0, metavar="ROWS",
+                   help="spare rows the growing cache keeps per sequence: it copies itself every ROWS + 1 "
+                        "tokens instead of every token (0: torch.cat every token)")
     g.add_argument("--attention", choices=sorted(ATTENTION_KERNELS), default="dense")
     g.add_argument("--weights", choices=list(WEIGHT_FORMATS), default="fp32",
                    help="weight format of the linear layers (fewer bytes: faster decoding)")

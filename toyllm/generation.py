@@ -205,8 +205,9 @@ def generate(model, prompt_ids: list[int] | list[list[int]], max_new_tokens: int
     from memory serves B tokens at once.
     method: "naive" (recompute the whole prefix each step) or "cached".
     cache: "static" (preallocated, written in place), "dynamic" (grows by
-    concatenation) or a cache object (cached method only); a cache object
-    that already holds tokens is continued: the prompt goes after them.
+    concatenation) or a cache object (cached method only), for example
+    ``DynamicKVCache(n_layers, headroom=4)``; a cache object that already
+    holds tokens is continued: the prompt goes after them.
     prefilled_logits: the prompt is already in ``cache`` (for example after a
     parallel prefill) and these are its last position's logits, (vocab,) or
     (B, vocab); generation starts by choosing from them, with no prefill.
