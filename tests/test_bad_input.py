@@ -391,8 +391,10 @@ def _workers_joined(pid: int) -> list[int]:
 
 @pytest.mark.needs("5.2")
 @pytest.mark.timeout(300)
-def test_sigterm_stops_a_parallel_prefill_like_ctrl_c():
-    """SIGTERM: one line, exit code 143, no traceback from the command or a worker, no worker left."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_stops_a_parallel_prefill_like_ctrl_c(sig):
+    """SIGTERM (kill, timeout) or SIGHUP (the terminal closed): one line, exit code 128 + the signal's
+    number, no traceback from the command or a worker, no worker left."""
     cmd = [sys.executable, "-m", "toyllm", "prefill", "--model", "tiny", "--context", "1024", "--repeat", "100000"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -403,14 +405,14 @@ def test_sigterm_stops_a_parallel_prefill_like_ctrl_c():
             time.sleep(0.2)
         time.sleep(1.0)                          # into the timed runs
         started = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]   # the workers and helpers
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode == 143, err
-    assert "Traceback" not in err and err.strip().splitlines() == ["prefill: stopped (SIGTERM)"], err
+    assert proc.returncode == 128 + sig, err
+    assert "Traceback" not in err and err.strip().splitlines() == [f"prefill: stopped ({sig.name})"], err
     assert out == ""
     assert set(workers) <= set(started)
     gone_by = time.monotonic() + 10
@@ -488,3 +490,28 @@ def test_a_bad_request_to_a_running_pool_leaves_it_usable():
         result = parallel_prefill(ModelSpec("tiny"), random_prompt(40, 256), "kvr", 2, pool=pool, warmup=0)
         assert len(result.logits) == 256 and not pool.closed
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_to_the_bench_command_stops_its_re_run_too(tmp_path, sig):
+    """`bench` re-runs itself with the resident heap; a signal to the command must end that re-run as well,
+    or it would go on alone and still write the file."""
+    env = {k: v for k, v in os.environ.items() if k not in toyllm.bench.RESIDENT_HEAP_ENV}
+    out = tmp_path / "bench.md"
+    command = subprocess.Popen([sys.executable, "-m", "toyllm", "bench", "--quick", "--only", "generation",
+                                "--out", str(out)], env=env, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not psutil.Process(command.pid).children():
+            assert command.poll() is None and time.monotonic() < deadline, "the re-run never started"
+            time.sleep(0.02)
+        rerun = psutil.Process(command.pid).children()[0]
+        assert rerun.environ().get("MALLOC_MMAP_MAX_") == "0"
+        command.send_signal(sig)
+        assert command.wait(timeout=60) == 128 + sig
+        _, alive = psutil.wait_procs([rerun], timeout=60)
+        assert not alive and not out.exists()
+    finally:
+        command.kill()
+        command.wait(timeout=30)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import signal
 import stat
 import statistics
 import subprocess
@@ -36,12 +37,30 @@ RESIDENT_HEAP_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "1000000
 
 
 def ensure_resident_heap(argv: list[str]) -> None:
-    """Re-run this command with RESIDENT_HEAP_ENV set, unless it already is."""
+    """Re-run this command with RESIDENT_HEAP_ENV set, unless it already is (raises SystemExit with its status).
+
+    The re-run does the work, so a request to stop reaches it: the command line raises SIGTERM and
+    SIGHUP as ``supervise.Terminated``, and the same signal goes on to the re-run, which stops as
+    the command would (its workers ended, its file unwritten); after Ctrl-C (a terminal's reaches
+    both) it gets a few seconds to stop by itself before it is told to.
+    """
     if all(os.environ.get(k) == v for k, v in RESIDENT_HEAP_ENV.items()):
         return
     env = {**os.environ, **RESIDENT_HEAP_ENV}
     sys.stdout.flush()
-    raise SystemExit(subprocess.call([sys.executable, "-m", "toyllm", *argv], env=env))
+    rerun = subprocess.Popen([sys.executable, "-m", "toyllm", *argv], env=env)
+    try:
+        status = rerun.wait()
+    except KeyboardInterrupt as stop:             # Ctrl-C, or a stop signal raised as Terminated
+        signum = getattr(stop, "signum", signal.SIGINT)
+        if signum != signal.SIGINT:
+            rerun.send_signal(signum)
+        try:
+            status = rerun.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            rerun.terminate()
+            status = rerun.wait()
+    raise SystemExit(128 - status if status < 0 else status)
 
 
 def naive_vs_cached(model, prompt_len: int = 64, new_tokens: int = 256, rounds: int = 3, seed: int = 0) -> dict:

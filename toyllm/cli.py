@@ -684,17 +684,17 @@ COMMANDS = {"generate": (check_generate, cmd_generate), "demo": (_nothing_to_che
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Exit code 0: done; 2: bad input (one line on stderr, nothing started);
     1: a worker process failed or the run hit its time limit (the message names the rank); 130: Ctrl-C;
-    143: SIGTERM (unwound like Ctrl-C: every worker ended, one line, no traceback)."""
-    from .supervise import Terminated, sigterm_as_interrupt
+    143: SIGTERM, 129: SIGHUP (unwound like Ctrl-C: every worker ended, one line, no traceback)."""
+    from .supervise import Terminated, stop_signals_as_interrupt
 
     torch.set_grad_enabled(False)
     words = sys.argv[1:] if argv is None else argv
     try:
-        with sigterm_as_interrupt():
+        with stop_signals_as_interrupt():
             return _main(argv)
-    except Terminated:                         # the launcher has already ended every worker
-        print(f"{words[0] if words and words[0] in COMMANDS else 'toyllm'}: stopped (SIGTERM)", file=sys.stderr)
-        return 143
+    except Terminated as stop:                 # the launcher has already ended every worker
+        print(f"{words[0] if words and words[0] in COMMANDS else 'toyllm'}: stopped ({stop})", file=sys.stderr)
+        return 128 + stop.signum
     except KeyboardInterrupt:                  # the launcher has already ended every worker
         print("interrupted", file=sys.stderr)
         return 130

@@ -4,7 +4,8 @@
 - ``die_with_parent``: in a child, ask the kernel to end it when its parent dies;
 - ``become_subreaper``: orphans of this process's descendants come back to it, not to PID 1;
 - ``describe_exit``: "was killed by SIGKILL (exit code -9)", for messages.
-- ``sigterm_as_interrupt``: SIGTERM unwinds like Ctrl-C (``Terminated``), so the same clean-up runs.
+- ``stop_signals_as_interrupt``: SIGTERM and SIGHUP unwind like Ctrl-C (``Terminated``), so the same
+  clean-up runs.
 
 Linux only where the kernel is asked (``prctl``); elsewhere those calls do nothing.
 """
@@ -68,22 +69,35 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
+# What asks a command to stop besides Ctrl-C: ``kill`` and ``timeout`` (SIGTERM), a closed terminal (SIGHUP).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the main thread is, so it unwinds like Ctrl-C (every ``finally`` runs)."""
+    """A stop signal, raised where the main thread is, so it unwinds like Ctrl-C (every ``finally`` runs).
+
+    ``signum``: which signal (``STOP_SIGNALS``); a shell reports the command's end as 128 + signum.
+    """
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def _raise_terminated(signum, frame):
-    raise Terminated()
+    raise Terminated(signum)
 
 
 @contextmanager
-def sigterm_as_interrupt():
-    """Within the block, SIGTERM raises ``Terminated`` in the main thread; the previous handler comes back after."""
+def stop_signals_as_interrupt():
+    """Within the block, SIGTERM and SIGHUP raise ``Terminated`` in the main thread; the previous
+    handlers come back after."""
     if threading.current_thread() is not threading.main_thread():    # only the main thread may set handlers
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous = {sig: signal.signal(sig, _raise_terminated) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
