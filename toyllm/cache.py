@@ -28,12 +28,13 @@ class DynamicKVCache:
     With ``headroom`` = 0 (the default, the KV-cache blog's cache) each append
     is a ``torch.cat``: a new buffer per layer, the whole cache copied into it.
     With ``headroom`` = h > 0 a growth copies the cache into a buffer with h
-    spare rows per sequence, and the next appends (up to h tokens) write into
-    them in place: one copy every h + 1 decode steps, as a Python list
-    over-allocates to append in amortised constant time. Either way each
-    sequence's rows lie together, at most h rows of spare space between one
-    sequence and the next, which is what a batched matrix product reads
-    fastest (``bench_decode.window_products`` measures it). ``copies`` counts
+    spare rows per sequence and K/V head, and the next appends (up to h
+    tokens) write into them in place: one copy every h + 1 decode steps, as a
+    Python list over-allocates to append in amortised constant time. Either
+    way the rows of each sequence and head lie together, at most h spare rows
+    before the next ones, which a batched matrix product reads fastest
+    (``bench_decode.window_products`` measures it; a static cache's slots are
+    sized for the longest sequence). ``copies`` counts
     the growths that copied held rows; ``copied_rows`` the rows they moved
     (per sequence and head, K and V counted once).
     """
