@@ -352,7 +352,10 @@ def test_bad_link_requests_fail_before_any_process_starts(kwargs, message):
 
 @pytest.mark.timeout(120)
 def test_the_link_is_measured_between_two_processes(pools):
-    sizes = [4096, 65536, 1048576]
+    # Sizes far apart, so that a 16 MB message takes milliseconds: on a busy 2-core machine a small
+    # message's round trip can wait a millisecond for a core, and with sizes up to 1 MB the medians of
+    # three repeats once came out falling with size (a fit with no bandwidth, rightly refused).
+    sizes = [4096, 1048576, 16777216]
     m = measure_link(sizes, repeats=3, warmup=1, pool=pools(2), timeout_s=60)
     assert m.sizes_bytes == sizes and [len(r) for r in m.runs_s] == [3, 3, 3]
     assert m.median_s == [statistics.median(r) for r in m.runs_s]
