@@ -685,13 +685,15 @@ def bench_batched(quick: bool = False) -> dict:
     n = 500 if quick else BLOG_PROMPTS
     prompts = torch.randint(0, BLOG_TOY.vocab_size, (n, BLOG_PROMPT_LEN), generator=torch.Generator().manual_seed(0))
     model = build_model(BLOG_TOY, attention="dense")
-    with_headroom = [(f"dynamic, headroom={h}", lambda h=h: DynamicKVCache(BLOG_TOY.n_layers, headroom=h))
-                     for h in BLOG_HEADROOMS]
-    caches = ("dynamic", *with_headroom, "static")
+    # name -> a kind generate knows, or a function returning a new cache
+    caches = {"dynamic": "dynamic",
+              **{f"dynamic, headroom={h}": (lambda h=h: DynamicKVCache(BLOG_TOY.n_layers, headroom=h))
+                 for h in BLOG_HEADROOMS},
+              "static": "static"}
     row = {"prompts": n, "prompt_len": BLOG_PROMPT_LEN, "new_tokens": BLOG_NEW_TOKENS, "config": BLOG_TOY.to_dict(),
            "threads": torch.get_num_threads(), "warmup": 0 if quick else 1,
            **time_naive_and_cached(model, prompts, BLOG_NEW_TOKENS, 1 if quick else 3, warmup=0 if quick else 1,
-                                   caches=caches)}
+                                   caches=tuple(caches.items()))}
 
     def copies(how) -> int:
         """Times the cache copied what it held during one generation of this length (one sequence is enough)."""
@@ -699,8 +701,8 @@ def bench_batched(quick: bool = False) -> dict:
         generate(model, prompts[:1], BLOG_NEW_TOKENS, cache=cache)
         return cache.copies // BLOG_TOY.n_layers
 
-    for entry, how in zip([row, *row["other_caches"]], (c if isinstance(c, str) else c[1] for c in caches)):
-        entry["copies"] = copies(how)
+    for entry in (row, *row["other_caches"]):
+        entry["copies"] = copies(caches[entry["cache"]])
     _progress({k: v for k, v in row.items() if k not in ("config", "naive", "cached", "verdict", "other_caches")})
     for other in row["other_caches"]:
         other["against_blog"] = compare(other["cached"], row["cached"])

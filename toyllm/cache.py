@@ -74,6 +74,8 @@ class DynamicKVCache:
             self._k[layer][:, :, held:held + T] = k                         # in place, into the spare rows
             self._v[layer][:, :, held:held + T] = v
         self._len[layer] = held + T
+        if self.headroom == 0:
+            return self._k[layer], self._v[layer]          # exactly the rows held: nothing to slice off
         return self.keys(layer), self.values(layer)
 
     def _grow(self, layer: int, like: torch.Tensor, rows: int) -> None:

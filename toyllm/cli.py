@@ -159,7 +159,7 @@ def cmd_generate(args, prepared: tuple) -> int:
     model, tokenizer, ids = prepared
     streamer = None if args.json else TextStreamer(tokenizer)
     cache = args.cache
-    if args.method == "cached" and args.headroom:
+    if args.headroom:                                   # check_generate allows it with the dynamic cache only
         cache = make_cache(args.cache, model.config, len(ids) + args.max_new_tokens, headroom=args.headroom)
     result = generate(model, ids, args.max_new_tokens, method=args.method, cache=cache,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -167,7 +167,8 @@ def cmd_generate(args, prepared: tuple) -> int:
     text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
     if args.json:
         print(json.dumps({"model": args.model, "weights": args.weights, "method": args.method, "cache": args.cache,
-                          "headroom": args.headroom, "prompt_ids": result.prompt_ids, "output_ids": result.output_ids, "text": text,
+                          "headroom": args.headroom, "prompt_ids": result.prompt_ids,
+                          "output_ids": result.output_ids, "text": text,
                           "ttft_s": result.ttft_s, "tpot_s": result.tpot_s,
                           "stopped_on_eos": result.stopped_on_eos}))
     else:
