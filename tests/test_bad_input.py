@@ -135,6 +135,9 @@ TINY = ["--model", "tiny", "--context", "64"]
     (["generate", "--model", "tiny", "--prompt", "x", "--temperature", "1", "--top-k", "0"], "--top-k 0: top-k must"),
     (["generate", "--model", "smollm2-135m", "--prompt", "x", "--temperature", "1", "--top-k", "100000"],
      "--top-k 100000: top-k must be between 1 and smollm2-135m's vocabulary size (49152)"),
+    (["generate", "--model", "tiny", "--prompt", "x", "--chat"], "--chat: tiny's tokenizer has no chat template"),
+    (["generate", "--model", "tiny", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens 0: generate at "
+                                                                               "least 1 new token"),
     (["bench", "--out", ".", "--quick"], "--out . is a folder; give the path of a file to write"),
 ])
 def test_cli_rejects_bad_flags_before_any_work(capsys, monkeypatch, no_workers, argv, names):
@@ -247,6 +250,14 @@ def grade_errors(capsys, argv) -> list[str]:
 def test_grade_rejects_bad_limits_before_grading(capsys, no_grading, argv, names):
     for err in grade_errors(capsys, argv):
         assert names in err
+
+
+def test_grade_only_a_lesson_without_graded_tests_names_the_module(capsys, monkeypatch):
+    import toyllm.grading.grader as grader
+
+    monkeypatch.setattr(grader, "run_lesson", lambda *a, **k: pytest.fail("a lesson started"))   # grade() checks first
+    for err in grade_errors(capsys, ["--only", "ex99"]):
+        assert "no graded tests for exercise module 'ex99' (lessons with graded tests: ex01-ex" in err
 
 
 def test_grade_results_must_be_a_file_in_an_existing_folder(capsys, monkeypatch, tmp_path):

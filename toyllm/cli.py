@@ -120,7 +120,7 @@ def check_generate(args) -> tuple:
     from .generation import check_sampling
 
     n, vocab = args.max_new_tokens, get_config(args.model).vocab_size
-    _check(n >= 0, f"--max-new-tokens must be >= 0, got {n}")
+    _check(n >= 1, f"--max-new-tokens {n}: generate at least 1 new token")
     _check_seed(args.seed)
     _check(args.top_k is None or 1 <= args.top_k <= vocab,
            f"--top-k {args.top_k}: top-k must be between 1 and {args.model}'s vocabulary size ({vocab})")
@@ -145,6 +145,11 @@ def check_generate(args) -> tuple:
                          "pass UTF-8 text") from None
     model, tokenizer = _check_request(f"--model {args.model}", load_model, args.model, attention=args.attention,
                                       weights=args.weights)
+    # Only a real model's tokenizer carries a chat template; the byte tokenizer's "role: text" lines mean
+    # nothing to a randomly initialised model.
+    _check(not args.chat or getattr(tokenizer, "chat_template", None) is not None,
+           f"--chat: {args.model}'s tokenizer has no chat template; leave out --chat to send the prompt as "
+           "plain text, or pick a model that has one (smollm2-135m)")
     ids = tokenizer.encode_chat(args.prompt) if args.chat else tokenizer.encode(args.prompt)
     limit = model.config.max_context
     _check(len(ids) <= limit, f"--prompt is {len(ids)} tokens, longer than {args.model}'s max_context ({limit})")

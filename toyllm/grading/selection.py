@@ -23,6 +23,17 @@ def lesson_files(folder: Path) -> dict[int, Path]:
     return files
 
 
+def lesson_ranges(lessons: list[int]) -> str:
+    """"ex01-ex03, ex05" for [1, 2, 3, 5]: runs of consecutive lessons as ranges."""
+    runs: list[list[int]] = []
+    for n in sorted(lessons):
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ", ".join(f"ex{r[0]:02d}" + (f"-ex{r[-1]:02d}" if len(r) > 1 else "") for r in runs) or "none"
+
+
 def graded_exercise_ids(files) -> set[str]:
     """Exercise ids named by ``@pytest.mark.exercise("N.M")`` in these test files."""
     ids = set()
@@ -54,7 +65,8 @@ def select(only, local: dict[int, Path], extra_dir: Path | None) -> tuple[list[i
     if wanted is not None:
         unknown = wanted - set(pending)
         if unknown:
-            raise ValueError(f"no graded tests for lesson(s) {sorted(unknown)}; graded lessons: "
-                             f"{['ex%02d' % n for n in pending]}")
+            modules = ", ".join(repr(f"ex{n:02d}") for n in sorted(unknown))
+            raise ValueError(f"no graded tests for exercise module{'s' * (len(unknown) > 1)} {modules} (lessons with graded tests: "
+                             f"{lesson_ranges(pending)})")
         pending = sorted(wanted)
     return pending, wanted, only_exercises
