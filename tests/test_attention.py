@@ -135,6 +135,7 @@ def test_positions_with_a_repeat_are_not_taken_for_a_contiguous_run():
     assert not A._contiguous(torch.tensor([0, 2, 2])) and not A._contiguous(torch.tensor([], dtype=torch.long))
 
 
+@pytest.mark.needs("2.1")          # the dense kernel (until 2.1 is written, models run sdpa)
 def test_a_forward_pass_looks_up_the_dense_answer_once_with_the_same_logits(monkeypatch):
     """The model binds Exercise 2.1 once per forward pass (``for_one_pass``), not once per layer,
     and gets exactly the logits of the dense kernel looked up layer by layer."""
