@@ -60,8 +60,10 @@ def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, tokens: int,
     multi-query attention (one KV head) shrink the cache in proportion.
     Example: LLaMA-2-13B (40 layers, 40 KV heads, head_dim 128) holding
     8192 tokens in bf16 needs 6,710,886,400 bytes (6.7 GB).
-    Returns bytes as a Python int (rounded to the nearest whole byte when
-    bytes_per_value is fractional, e.g. 0.5 for int4). Raises ValueError for
+    Returns bytes as a Python int: the exact total passed to Python's
+    ``round`` (the nearest whole byte, a half to the even one) when
+    bytes_per_value is fractional, e.g. 0.5 for int4; it is an estimate of
+    memory held, unlike Exercise 8.4's bytes sent, which round up. Raises ValueError for
     negative counts or a bytes_per_value that is not positive.
     """
     raise NotImplementedError(

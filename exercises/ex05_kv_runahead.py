@@ -40,9 +40,10 @@ def kvr_layer_blocking(layer, x, pos, chain, attention):
 def kvr_layer(layer, x, pos, chain, attention):
     """Exercise 5.2 (3 points): the same layer, with communication overlapped with compute.
 
-    ``chain.irecv()`` posts the receive and returns at once a handle whose
-    ``wait()`` gives (k, v) (None on rank 0); ``chain.isend(k, v)`` queues
-    the send and returns. Post the receive *before* the q/k/v projection and
+    ``chain.irecv()`` posts the receive and returns at once: None on rank 0,
+    which receives nothing, and on every other rank a handle whose
+    ``wait()`` gives the prefix (k, v); ``chain.isend(k, v)`` queues the
+    send and returns. Post the receive *before* the q/k/v projection and
     wait for it only after, so the prefix travels while you compute.
     Returns the same as Exercise 5.1.
     """

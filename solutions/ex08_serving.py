@@ -164,7 +164,9 @@ def transfer_bytes(cfg, tokens: int, bytes_per_value: float = 4, block_size: int
     ``bytes_per_value`` bytes (4 for float32, 2 for fp16/bf16, 0.5 for int4).
     A paged cache ships whole blocks: with ``block_size`` given, the rows
     sent are ``tokens`` rounded up to a multiple of block_size. Return a
-    Python int, the exact total rounded up to a whole byte. Raises
+    Python int, the exact total rounded up to a whole byte (``math.ceil``:
+    a part of a byte still has to be sent, unlike Exercise 2.2's estimate,
+    which rounds to the nearest). Raises
     ValueError when tokens < 1, bytes_per_value <= 0 or block_size < 1.
     """
     # BEGIN SOLUTION 8.4 hint: rows = tokens, or ceil(tokens / block_size) * block_size; bytes = 2 * n_layers * n_kv_heads * head_dim * rows * bytes_per_value; math.ceil of it as an int (exact for fractions like 0.5)

@@ -410,13 +410,14 @@ def shipping_table(cfg: ModelConfig, contexts, cost_model: CostModel, links: dic
 
 
 def format_shipping_table(rows: list[dict]) -> str:
-    """``shipping_table`` as text: one line per context, "ship"/"recompute" per link."""
+    """``shipping_table`` as text: one line per context; per link, the transfer time and the quicker way."""
     names = list(rows[0]["transfer_s"]) if rows else []
     head = f"{'tokens':>7} {'KV MB':>8} {'recompute':>10} {'break-even':>11}  " + "  ".join(names)
-    out = ["simulated, not measured", head]
+    out = ["simulated, not measured; under each link: the transfer time, then the quicker way (ship or recompute)",
+           head]
     for r in rows:
         be = r["break_even_bytes_per_s"]
-        cells = [("ship " if r["pays"][n] else "recompute ") + f"{r['transfer_s'][n] * 1e3:.3g} ms" for n in names]
+        cells = [f"{r['transfer_s'][n] * 1e3:.3g} ms: " + ("ship" if r["pays"][n] else "recompute") for n in names]
         out.append(f"{r['context']:>7} {r['transfer_bytes'] / 1e6:>8.3g} {r['recompute_s'] * 1e3:>7.3g} ms "
                    f"{'never' if math.isinf(be) else f'{be / 1e9:.3g} GB/s':>11}  " + "  ".join(cells))
     return "\n".join(out)
