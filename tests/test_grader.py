@@ -203,6 +203,16 @@ def test_a_crash_or_a_hang_costs_only_the_test_that_met_it(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_property_of_the_submissions_own_object_is_checked_where_it_lives(tmp_path):
+    """8.2's result must be contiguous: judged in the sandbox, because the tensor the grader receives is a copy."""
+    report = grade(make_submission(tmp_path / "sub", "viewing"), only="8.2")
+    lost = {t.name: t.output for t in report.tests if t.status != "passed"}
+    assert list(lost) == ["Exercise 8.2: test_ex8_2_rows_in_token_order"], lost
+    assert "is not contiguous" in lost["Exercise 8.2: test_ex8_2_rows_in_token_order"]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_submission_that_hangs_at_import_costs_one_timeout(tmp_path):
     submission = make_submission(tmp_path / "sub", "import_hang")
@@ -1086,6 +1096,23 @@ def break_even_context(speedup, lo, hi):
     ("8.4", "a float", "return math.ceil(values * bytes_per_value)", "return float(math.ceil(values * bytes_per_value))"),
     ("8.4", "bits, not bytes", "return math.ceil(values * bytes_per_value)", "return math.ceil(8 * values * bytes_per_value)"),
     ("8.2", "no check of the length", "    if length < 0 or length > len(table) * block_size:", "    if length < 0:"),
+    # Mistakes a class made that once kept full marks: input checks, edge cases of the searches, a view
+    ("1.3", "an empty prompt refused only once a token is asked for",
+     '    if len(prompt_ids) == 0:\n        raise ValueError("prompt_ids is empty: give at least one token")\n', ""),
+    ("5.4", "a negative time accepted", "    if ttft1_s < 0:\n", "    if False:\n"),
+    ("8.1", "a gap inside the next block not caught", "    if start > len(table) * bs:", "    if start // bs > len(table):"),
+    ("8.2", "a view of the rows, not a contiguous tensor", ".unsqueeze(0).contiguous()", ".unsqueeze(0)"),
+    ("8.3", "a budget of 0 accepted when nothing decodes", "if token_budget is not None and token_budget < 1:",
+     "if token_budget is not None and token_budget < 0:"),
+    ("8.3", "decodes that exactly fill the budget refused", "        if len(decoding) > budget:",
+     "        if len(decoding) >= budget:"),
+    ("6.1", "offers b = context when the stride divides it", "    n = (context - 1) // min_stride",
+     "    n = context // min_stride"),
+    ("6.2", "starts from j * (C // p), off the even split when p does not divide C",
+     "    best = (0, *(j * context // p for j in range(1, p)), context)",
+     "    best = (0, *(j * (context // p) for j in range(1, p)), context)"),
+    ("6.3", "ratios not normalised by their sum", "    shares = [context * r / total for r in ratios]",
+     "    shares = [context * r for r in ratios]"),
 ]
 
 RIGHT = [  # (exercise, which way, the function)

@@ -239,4 +239,6 @@ def test_ex1_3_edge_cases(ex01, tiny_model):
     equal(traced["value"], [], "naive_generate(prompt of 8 tokens, 0 new)")
     equal(len(traced["calls"]), 0, "model calls made by naive_generate(prompt of 8 tokens, 0 new)")
     raises(ValueError, ex01.naive_generate, tiny_model, [], 3, call="naive_generate(empty prompt, 3 new)")
+    raises(ValueError, ex01.naive_generate, tiny_model, [], 0, call="naive_generate(empty prompt, 0 new)",
+           why="an empty prompt is refused before the loop, even when no token is asked for")
     raises(ValueError, ex01.naive_generate, tiny_model, PROMPT, -1, call="naive_generate(prompt of 8 tokens, -1 new)")

@@ -133,3 +133,5 @@ def test_ex5_4_lower_bound(ex05, drawn):
             f"ttft_lower_bound({t}, p={p}{'' if t in (12.0, 8.0, 3.0) else f'; {drawn}'}): expected {expected}, got {got!r}"
     raises(ValueError, ex05.ttft_lower_bound, 1.0, 0, call="ttft_lower_bound(1.0, world_size=0)",
            why="a world needs at least one process")
+    raises(ValueError, ex05.ttft_lower_bound, -0.5, 2, call="ttft_lower_bound(-0.5, world_size=2)",
+           why="a time to first token is never negative")

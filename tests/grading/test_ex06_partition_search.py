@@ -77,7 +77,8 @@ def test_ex6_1_finds_a_known_best_split_with_few_evaluations(ex06, drawn):
 @pytest.mark.exercise("6.1")
 @pytest.mark.points(1)
 def test_ex6_1_only_multiples_of_min_stride(ex06):
-    for context, best, stride in [(5000, 2345, 64), (777, 100, 10), (4096, 3000, 512)]:
+    # (4096, 4090, 512): the stride divides the context, so the last candidate is 3584, never b = 4096 = context
+    for context, best, stride in [(5000, 2345, 64), (777, 100, 10), (4096, 3000, 512), (4096, 4090, 512)]:
         cost = functools.partial(harness.kink_cost, best=best, left=1.0, right=2.0)
         expected_b = min(range(stride, context, stride), key=lambda b: cost([b, context - b]))
         call = f"search_boundary(cost lowest at c_0 = {best}, context={context}, min_stride={stride})"
@@ -86,6 +87,9 @@ def test_ex6_1_only_multiples_of_min_stride(ex06):
         equal(got, [expected_b, context - expected_b], call)
         off = sorted(c[0] for c in tried if c[0] % stride)
         assert not off, f"{call}: tried boundaries that are not multiples of {stride}: {off[:5]}"
+        outside = sorted(c[0] for c in tried if not 0 < c[0] < context)
+        assert not outside, (f"{call}: asked the cost of boundaries {outside[:5]}, which leave a process no token "
+                             f"(b must lie strictly between 0 and {context})")
     raises(ValueError, ex06.search_boundary, functools.partial(harness.kink_cost, best=1), 1,
            call="search_boundary(cost, context=1)", why="two processes need 2 tokens")
     raises(ValueError, ex06.search_boundary, functools.partial(harness.kink_cost, best=1), 100, min_stride=0,
@@ -133,6 +137,9 @@ def test_ex6_2_four_processes_and_span_one(ex06):
     # span=1: 3 values per boundary and level; the optimum's boundaries are -15 = -(8 + 4 + 2 + 1) and
     # +13 = 8 + 4 + 1 tokens from the even split's, so every level, the one at stride 1 too, has to move them
     cost, _, _ = grid_search_finds(ex06, [235, 278, 237, 250], 1000, 8, most=4 * 27, span=1)   # 4 levels of 27
+    # 3 processes do not divide 1001 tokens: the even split's boundaries are j * 1001 // 3 = 333, 667, not
+    # j * (1001 // 3) = 333, 666; one level at stride 16 reaches only the lattice around the start
+    grid_search_finds(ex06, [333, 334, 334], 1001, 16, most=25, min_stride=16)
     raises(ValueError, ex06.grid_search, cost, 100, 1, 8, call="grid_search(cost, 100, world_size=1, stride=8)",
            why="a search needs at least 2 processes")
     raises(ValueError, ex06.grid_search, cost, 3, 4, 1, call="grid_search(cost, context=3, world_size=4, stride=1)",
@@ -201,7 +208,8 @@ def test_ex6_3_the_papers_example_between_entries_and_drawn_tables(ex06, drawn):
         table = {}
         for length in sorted(rng.sample(range(256, 32768), rng.randint(1, 4))):
             weights = [rng.uniform(0.2, 1.0) for _ in range(p)]
-            table[length] = [w / sum(weights) for w in weights]
+            # stored rounded, as a table written to a file is: the ratios sum to 1 only roughly
+            table[length] = [round(w / sum(weights), 3) for w in weights]
         keys = sorted(table)
         for context in (rng.randint(p, keys[0]), rng.randint(keys[0], keys[-1]), rng.randint(keys[-1], 40000)):
             got = ex06.interpolate_partition(table, context)
@@ -212,7 +220,7 @@ def test_ex6_3_the_papers_example_between_entries_and_drawn_tables(ex06, drawn):
 
 @pytest.mark.exercise("6.3")
 @pytest.mark.points(1)
-def test_ex6_3_clamping_rounding_and_bad_input(ex06):
+def test_ex6_3_clamping_rounding_and_bad_input(ex06, drawn):
     table = {1000: [0.5, 0.3, 0.2], 2000: [0.45, 0.33, 0.22]}
     for context, expected in [(500, [250, 150, 100]), (10, [5, 3, 2]), (3000, [1350, 990, 660])]:
         equal(ex06.interpolate_partition(table, context), expected,
@@ -223,6 +231,16 @@ def test_ex6_3_clamping_rounding_and_bad_input(ex06):
           "interpolate_partition({100: [0.997, 0.001, 0.001, 0.001]}, 100) (every rank needs a token)")
     equal(ex06.interpolate_partition({64: [0.3, 0.3, 0.4]}, 11), reference_partition({64: [0.3, 0.3, 0.4]}, 11),
           "interpolate_partition({64: [0.3, 0.3, 0.4]}, 11)")
+    rng = drawn.rng("6.3 clamping")
+    for _ in range(3):              # drawn: one or two entries, contexts below and above them, small enough for ties
+        p = rng.randint(2, 5)
+        table = {n: [round(rng.uniform(0.1, 1.0), 2) for _ in range(p)] for n in sorted(rng.sample(range(64, 4096), 2))}
+        for context in (rng.randint(p, min(table)), rng.randint(max(table), 9000)):
+            equal(ex06.interpolate_partition(table, context), reference_partition(table, context),
+                  f"interpolate_partition({table}, {context}; {drawn})")
+    equal(ex06.interpolate_partition({4096: [0.33, 0.33, 0.33]}, 999), [333, 333, 333],
+          "interpolate_partition({4096: [0.33, 0.33, 0.33]}, 999) (ratios that sum to 0.99: share = "
+          "context * r / sum(r))")
     raises(ValueError, ex06.interpolate_partition, {}, 100, call="interpolate_partition({}, 100)",
            why="the table is empty")
     raises(ValueError, ex06.interpolate_partition, table, 2, call=f"interpolate_partition({table}, 2)",

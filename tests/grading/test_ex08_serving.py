@@ -145,6 +145,10 @@ def test_ex8_1_a_block_used_alone_is_not_copied_and_bad_input(ex08):
            why="tokens < 1")
     raises(ValueError, ex08.prepare_blocks, pool, [], 5, 1, call="prepare_blocks(pool, [], start=5, tokens=1)",
            why="an empty table holds no rows, so row 5 would leave a gap")
+    one = pool.allocate()
+    raises(ValueError, ex08.prepare_blocks, pool, [one], BLOCK + 1, 1,
+           call=f"prepare_blocks(pool, [{one}], start={BLOCK + 1}, tokens=1)",
+           why=f"one block holds rows 0 .. {BLOCK - 1}, so row {BLOCK + 1} would leave row {BLOCK} empty inside the next block")
 
 
 # --------------------------------------------------------------------------- 8.2
@@ -170,7 +174,8 @@ def test_ex8_2_rows_in_token_order(ex08, drawn):
     for table, layer, length, note in cases:
         store = torch.randn(8, 3, 2, BLOCK, 5, generator=gen)
         call = f"gather_rows(store (8, 3, 2, {BLOCK}, 5), table={table}, layer={layer}, length={length}){note}"
-        got = ex08.gather_rows(store, table, layer, length)
+        laid_out = sandboxed("toyllm.grading.harness:with_layout", ex08.gather_rows, store, table, layer, length)
+        got = laid_out["value"]
         want = gathered_one_by_one(store, table, layer, length)
         if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape) or got.dtype != store.dtype:
             raise AssertionError(f"{call}: expected a {store.dtype} tensor of shape {tuple(want.shape)} "
@@ -181,8 +186,9 @@ def test_ex8_2_rows_in_token_order(ex08, drawn):
             t = next(t for t in range(length) if not torch.equal(got[0, :, t], want[0, :, t]))
             raise AssertionError(f"{call}: row {t} is not token {t}'s, which lives in block "
                                  f"{table[t // BLOCK]} at row {t % BLOCK}")
-        if not got.is_contiguous():
-            raise AssertionError(f"{call}: the result is not contiguous")
+        if not laid_out["contiguous"]:         # read where the tensor was made: a copy sent here is always contiguous
+            raise AssertionError(f"{call}: the result is not contiguous (a view of the store's rows, not a new "
+                                 "tensor: call .contiguous())")
 
 
 @pytest.mark.exercise("8.2")
@@ -291,8 +297,11 @@ def test_ex8_3_bad_input(ex08):
                       (([-1, 0], [F, F], 4), "a negative number of prompt tokens"),
                       (([3], [T], 4), "a done sequence with prompt left"),
                       (([0, 5], [F, F], 0), "a token budget of 0"),
+                      (([5], [F], 0), "a token budget of 0, even with no decode to carry"),
                       (([0, 0, 0], [F, F, F], 2), "three decodes do not fit a budget of 2")]:
         raises(ValueError, ex08.plan_iteration, *args, call=f"plan_iteration{args}", why=why)
+    equal(ex08.plan_iteration([0, 0, 3], [F, F, F], 2), [1, 1, 0],
+          "plan_iteration([0, 0, 3], [False, False, False], 2) (two decodes fill a budget of 2 exactly: they fit)")
 
 
 # --------------------------------------------------------------------------- 8.4

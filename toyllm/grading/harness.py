@@ -69,6 +69,17 @@ def traced(fn, model, *args, **kwargs) -> dict:
     return {"value": value, "calls": calls}
 
 
+def with_layout(fn, *args, **kwargs) -> dict:
+    """Call ``fn(*args, **kwargs)``; return {"value": its value, "contiguous": whether that tensor was contiguous}.
+
+    The layout is a property of the submission's own object, so it is read here, where that object lives:
+    a tensor crossing to the grader arrives as a fresh, contiguous copy. "contiguous" is None for a value
+    that is not a tensor.
+    """
+    value = fn(*args, **kwargs)
+    return {"value": value, "contiguous": value.is_contiguous() if isinstance(value, torch.Tensor) else None}
+
+
 _pools: dict[tuple, object] = {}
 
 
