@@ -1,6 +1,7 @@
-"""Every attention kernel equals the masked dense reference (1e-5), whatever the shapes and positions."""
+"""Every attention kernel equals PyTorch's masked attention in float64 (1e-5), whatever the shapes and positions."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 import toyllm.attention as A
 from toyllm import build_model
@@ -10,12 +11,13 @@ ATOL = 1e-5
 
 
 def reference(q, k, v, q_pos, k_pos):
-    """Masked softmax attention written out in full, K/V heads copied to every query head."""
+    """PyTorch's attention in float64 with the mask spelled out from the positions, K/V heads copied to every
+    query head. Not written out by hand: that is Exercise 2.1, and this file ships in the student edition."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
-    scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
+    allowed = q_pos[:, None] >= k_pos[None, :]                  # (T, S): a query sees the keys up to its position
+    out = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=allowed)
+    return out.to(q.dtype)
 
 
 def case(B, H, Hkv, q_pos, k_pos, D=16, seed=0):

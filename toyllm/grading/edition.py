@@ -36,8 +36,11 @@ from .course import course_root
 from .stubs import HINT_LEVELS, make_stub
 
 # Files of the instructor edition that a class does not get.
+# The tests of checking again and of step diagnostics are built from the model answers (they read solutions/,
+# and the diagnostics' test carries answer lines of 4.2 and 5.1).
 INSTRUCTOR_ONLY = ("solutions/", "tests/fixtures/submissions/", "tests/test_grader.py", "tests/test_grading_04_05.py",
-                   "tests/test_student_edition.py", "docs/grading.md")
+                   "tests/test_student_edition.py", "tests/test_checking_again.py", "tests/test_step_diagnostics.py",
+                   "docs/grading.md")
 
 _BEGIN = re.compile(r"^[ \t]*# BEGIN SOLUTION (\d+\.\d+)")
 _END = re.compile(r"^[ \t]*# END SOLUTION\s*$")
@@ -222,6 +225,9 @@ def build(out: Path, hints: str = "idea", root: Path | None = None) -> list[str]
             dst.write_text(_student_makefile(src.read_text()))
         elif rel == "README.md":
             dst.write_text((root / "toyllm" / "templates" / "student_README.md").read_text())
+        elif rel == ".ci/run":          # the instructor's CI also tests this edition; a student's runs make test
+            dst.write_text((root / "toyllm" / "templates" / "student_ci_run").read_text())
+            dst.chmod(src.stat().st_mode)
         else:
             shutil.copy2(src, dst)
         written.append(rel)
