@@ -11,6 +11,7 @@ import torch
 
 from toyllm.grading import sandboxed
 from toyllm.grading.expect import equal, raises, same_tokens
+from toyllm.grading.references import reference
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 
@@ -44,6 +45,27 @@ def _kw(kw):
     return ", ".join(f"{k}={v}" for k, v in kw.items())
 
 
+@reference
+def highest_score(logits):
+    """The token id of the highest logit (the lowest id of a tie)."""
+    return int(torch.argmax(logits))
+
+
+@reference
+def top_k_tokens(logits, k):
+    """The ids of the k most likely tokens, sorted."""
+    return sorted(torch.topk(logits, k).indices.tolist())
+
+
+@reference
+def sampling_probabilities(logits, temperature, top_k=None):
+    """Each token's probability (float64) after the temperature and top_k."""
+    scaled = logits.double() / temperature
+    if top_k is not None:
+        scaled[scaled < scaled.topk(top_k).values[-1]] = float("-inf")
+    return torch.softmax(scaled, dim=-1)
+
+
 # --------------------------------------------------------------------------- 1.1
 
 @pytest.mark.exercise("1.1")
@@ -52,14 +74,14 @@ def test_ex1_1_picks_the_highest_score(ex01, drawn):
     gen = torch.Generator().manual_seed(0)
     for i in range(12):
         logits = torch.randn(50, generator=gen) * 3 - 1
-        equal(ex01.greedy_next_token(logits), int(torch.argmax(logits)), f"greedy_next_token(random logits #{i})")
+        equal(ex01.greedy_next_token(logits), highest_score(logits), f"greedy_next_token(random logits #{i})")
     rng, gen = drawn.rng("1.1"), drawn.generator("1.1")
     for i in range(8):                                   # drawn: vocabulary size, scale, and sometimes a tie
         vocab = rng.randint(2, 300)
         logits = torch.randn(vocab, generator=gen) * rng.uniform(0.1, 20) + rng.uniform(-50, 50)
         if i % 2:
             logits[rng.randrange(vocab)] = logits[rng.randrange(vocab)] = logits.max() + 1.0
-        equal(ex01.greedy_next_token(logits), int(torch.argmax(logits)),
+        equal(ex01.greedy_next_token(logits), highest_score(logits),
               f"greedy_next_token(logits of {vocab} tokens #{i}, {drawn})")
     equal(ex01.greedy_next_token(torch.tensor([-5.0, -1.0, -3.0])), 1, "greedy_next_token([-5, -1, -3]) (all negative)")
     equal(ex01.greedy_next_token(torch.tensor([0.5, 2.0, 2.0, 1.0])), 1,
@@ -86,7 +108,7 @@ def test_ex1_2_temperature_zero_is_greedy(ex01):
     gen = torch.Generator().manual_seed(1)
     for i in range(4):
         logits = torch.randn(30, generator=gen)
-        best = int(torch.argmax(logits))
+        best = highest_score(logits)
         equal(ex01.sample_next_token(logits, 0.0), best, f"sample_next_token(random logits #{i}, temperature=0)")
         equal(ex01.sample_next_token(logits, 0.0, top_k=5, top_p=0.5), best,
               f"sample_next_token(random logits #{i}, temperature=0, top_k=5, top_p=0.5)")
@@ -108,7 +130,7 @@ def test_ex1_2_top_k_keeps_the_k_best_tokens(ex01, drawn):
         vocab, k = rng.randint(6, 40), rng.randint(2, 5)
         logits = torch.tensor([v / 20 for v in rng.sample(range(-20, 21), vocab)])   # in [-1, 1], 0.05 apart
         temperature = round(rng.uniform(1.0, 2.0), 2)
-        best = set(torch.topk(logits, k).indices.tolist())
+        best = set(top_k_tokens(logits, k))
         got = kept(ex01, 1000, logits, temperature=temperature, top_k=k)
         assert got == best, (f"sample_next_token(logits of {vocab} tokens, temperature={temperature}, top_k={k}; "
                              f"{drawn}): drew {sorted(got)}, expected exactly the {k} most likely tokens {sorted(best)}")
@@ -162,10 +184,7 @@ def test_ex1_2_frequencies_match_the_softmax(ex01):
     logits = torch.tensor([-0.5, 2.0, 0.0, 1.0, -1.0, 0.5])
     settings = [dict(temperature=0.8), dict(temperature=2.0), dict(temperature=1.0, top_k=3)]
     for i, kw in enumerate(settings):
-        scaled = logits.double() / kw["temperature"]
-        if "top_k" in kw:
-            scaled[scaled < scaled.topk(kw["top_k"]).values[-1]] = float("-inf")
-        expected = torch.softmax(scaled, dim=-1)
+        expected = sampling_probabilities(logits, **kw)
         got = draws(ex01, 6000, logits, seed=3 + i, **kw)
         freq = torch.bincount(torch.tensor([int(x) for x in got]), minlength=6).double() / len(got)
         gap = (freq - expected).abs().max().item()
@@ -197,6 +216,7 @@ def test_ex1_2_rejects_bad_arguments(ex01):
 
 # --------------------------------------------------------------------------- 1.3
 
+@reference
 def reference_greedy(model, prompt, n):
     """The naive loop, written out: the whole sequence through the model at every step."""
     ids = list(prompt)

@@ -14,6 +14,7 @@ import torch
 from toyllm import DynamicKVCache, StaticKVCache, build_model
 from toyllm.grading import sandboxed
 from toyllm.grading.expect import equal, raises, same_tokens, tensors_close
+from toyllm.grading.references import reference
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
 LOGIT_ATOL = 1e-5       # float32 logits of the tiny model; only the summation order differs
@@ -25,6 +26,7 @@ def random_qkv(B=2, H=3, T=5, S=9, D=8, seed=0):
             torch.randn(B, H, S, D, generator=gen))
 
 
+@reference
 def reference_attention(q, k, v, q_pos, k_pos):
     """The definition, one query at a time, in float64: softmax over the visible keys of q.k / sqrt(D), times v."""
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -87,6 +89,7 @@ def test_ex2_1_positions_not_shapes(ex02, drawn):
                       f"{k_pos.tolist()}, shape {tuple(q.shape)}; {drawn})")
 
 
+@reference
 def reference_logits(ids):
     """Logits (T, vocab) of the whole sequence in one call, no cache, the model's own kernel."""
     return build_model("tiny", seed=0)(torch.tensor([ids]))[0]
@@ -124,6 +127,7 @@ def test_ex2_1_chunked_prefill_in_the_model(ex02, tiny_model):
 
 # --------------------------------------------------------------------------- 2.2
 
+@reference
 def kv_reference(n_layers, n_kv_heads, head_dim, tokens, bytes_per_value=2, batch=1):
     return round(2 * n_layers * n_kv_heads * head_dim * tokens * batch * bytes_per_value)
 
@@ -169,6 +173,7 @@ def test_ex2_2_matches_the_real_cache(ex02, tiny_model):
 
 # --------------------------------------------------------------------------- 2.3
 
+@reference
 def static_reference(n_blocks, n_kv_heads, head_dim, max_seq_len, bits=16, reserve=2.0):
     """Exact: 2 x blocks x kv heads x reserve x (S - 1) x head_dim x bits / 8, rounded up to whole bytes."""
     from fractions import Fraction
@@ -196,7 +201,7 @@ def test_ex2_3_counts_only_the_key_value_heads(ex02):
         equal(ex02.static_buffer_bytes(*args, **kw), static_reference(*args, **kw),
               f"static_buffer_bytes({args[0]} blocks, n_kv_heads={args[1]}, head_dim {args[2]}, S={args[3]}"
               f"{''.join(f', {k}={v}' for k, v in kw.items())})")
-    equal(ex02.static_buffer_bytes(n_blocks=30, n_kv_heads=3, head_dim=64, max_seq_len=8192), 2 * 30 * 3 * 2 * 8191 * 64 * 2,
+    equal(ex02.static_buffer_bytes(n_blocks=30, n_kv_heads=3, head_dim=64, max_seq_len=8192), static_reference(30, 3, 64, 8192),
           "static_buffer_bytes(n_blocks=30, n_kv_heads=3, head_dim=64, max_seq_len=8192) by keyword")
 
 
@@ -236,6 +241,7 @@ def test_ex2_3_matches_the_static_cache_and_checks_input(ex02):
 
 # --------------------------------------------------------------------------- 2.4
 
+@reference
 def reference_greedy(model, prompt, n):
     """Greedy decoding without a cache: the whole sequence through the model at every step."""
     ids = list(prompt)

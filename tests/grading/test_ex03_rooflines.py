@@ -13,6 +13,7 @@ import math
 import pytest
 
 from toyllm.grading.expect import close, equal, raises
+from toyllm.grading.references import reference
 
 # The pop quiz
 QUIZ_PARAM_BYTES = 30e9                 # 30B parameters in int8
@@ -30,8 +31,24 @@ HBM_BYTES = 8 * 16 * 2**30
 BATCHES = (1, 8, 16, 32, 64, 240)
 
 
+@reference
+def intensity_reference(B, D, F, bytes_per_value):
+    return 2 * B * D * F / (bytes_per_value * (B * D + D * F + B * F))
+
+
+@reference
+def attention_intensity_reference(S, T):
+    return S * T / (S + T)
+
+
+@reference
 def memory_bound_step(param_bytes, kv, batch, bandwidth):
     return (batch * kv + param_bytes) / bandwidth
+
+
+@reference
+def throughput_reference(param_bytes, kv, batch, bandwidth):
+    return batch / memory_bound_step(param_bytes, kv, batch, bandwidth)
 
 
 def float_close(got, expected, call, rel=1e-12):
@@ -54,7 +71,7 @@ def test_ex3_1_matches_the_formula(ex03, drawn):
         B, D, F, *rest = args
         bpv = rest[0] if rest else 2
         note = f"; {drawn}" if i >= 6 else ""
-        float_close(ex03.matmul_intensity(*args), 2 * B * D * F / (bpv * (B * D + D * F + B * F)),
+        float_close(ex03.matmul_intensity(*args), intensity_reference(B, D, F, bpv),
                     f"matmul_intensity(B={B}, D={D}, F={F}, bytes_per_value={bpv}{note})")
 
 
@@ -75,19 +92,21 @@ def test_ex3_1_is_about_the_batch_when_it_is_small(ex03):
 @pytest.mark.points(1)
 def test_ex3_2_prefill_is_half_the_prompt(ex03, drawn):
     for S, T in ((4096, 4096), (1, 1), (1000, 10), (3, 7), (513, 2)):
-        float_close(ex03.attention_intensity(S, T), S * T / (S + T), f"attention_intensity(S={S}, T={T})")
+        float_close(ex03.attention_intensity(S, T), attention_intensity_reference(S, T),
+                    f"attention_intensity(S={S}, T={T})")
     rng = drawn.rng("3.2")
     for _ in range(6):
         S = rng.randint(1, 100_000)
         T = rng.choice([1, S, rng.randint(1, S)])
-        float_close(ex03.attention_intensity(S, T), S * T / (S + T), f"attention_intensity(S={S}, T={T}; {drawn})")
+        float_close(ex03.attention_intensity(S, T), attention_intensity_reference(S, T),
+                    f"attention_intensity(S={S}, T={T}; {drawn})")
 
 
 @pytest.mark.exercise("3.2")
 @pytest.mark.points(1)
 def test_ex3_2_decode_is_about_one(ex03):
     got = ex03.attention_intensity(8192, 1)
-    float_close(got, 8192 / 8193, "attention_intensity(S=8192, T=1) (decode)")
+    float_close(got, attention_intensity_reference(8192, 1), "attention_intensity(S=8192, T=1) (decode)")
     raises(ValueError, ex03.attention_intensity, 0, 1, call="attention_intensity(S=0, T=1)")
     raises(ValueError, ex03.attention_intensity, 16, 0, call="attention_intensity(S=16, T=0)")
 
@@ -98,7 +117,8 @@ def test_ex3_2_decode_is_about_one(ex03):
 @pytest.mark.points(1)
 def test_ex3_3_pop_quiz_batch_4(ex03):
     got = ex03.min_step_time_s(QUIZ_PARAM_BYTES, QUIZ_KV_PER_SEQ, 4, QUIZ_BANDWIDTH)
-    float_close(got, (4 * 819.2e6 + 30e9) / 12.96e12, "min_step_time_s(the pop quiz, batch 4) in seconds")
+    float_close(got, memory_bound_step(QUIZ_PARAM_BYTES, QUIZ_KV_PER_SEQ, 4, QUIZ_BANDWIDTH),
+                "min_step_time_s(the pop quiz, batch 4) in seconds")
     assert abs(got - 2.5e-3) < 0.1e-3, f"min_step_time_s(the pop quiz, batch 4): about 2.5 ms expected, got {got!r} s"
 
 
@@ -122,6 +142,7 @@ def test_ex3_3_llama2_13b_step_times_and_other_cases(ex03, drawn):
 
 # --------------------------------------------------------------------------- 3.4
 
+@reference
 def step_reference(param_bytes, kv, batch, bandwidth, param_count, flops):
     return batch * kv / bandwidth + max(2 * batch * param_count / flops, param_bytes / bandwidth)
 
@@ -160,12 +181,12 @@ def test_ex3_5_llama2_13b_throughput_row(ex03, drawn):
     table = (200.61, 659.30, 787.99, 873.21, 923.13, 963.53)
     for batch, expected in zip(BATCHES, table):
         got = ex03.max_throughput_tokens_per_s(PARAM_BYTES, KV_PER_SEQ, batch, BANDWIDTH)
-        float_close(got, batch / memory_bound_step(PARAM_BYTES, KV_PER_SEQ, batch, BANDWIDTH),
+        float_close(got, throughput_reference(PARAM_BYTES, KV_PER_SEQ, batch, BANDWIDTH),
                     f"max_throughput_tokens_per_s(LLaMA-2-13B, batch {batch}) (the table says {expected})")
     rng = drawn.rng("3.5")
     for _ in range(6):
         args = (rng.uniform(1e8, 2e11), rng.uniform(1e6, 1e10), rng.randint(1, 512), rng.uniform(1e11, 5e13))
-        float_close(ex03.max_throughput_tokens_per_s(*args), args[2] / memory_bound_step(*args),
+        float_close(ex03.max_throughput_tokens_per_s(*args), throughput_reference(*args),
                     f"max_throughput_tokens_per_s{args} ({drawn})")
 
 
@@ -177,7 +198,7 @@ def test_ex3_5_five_times_smaller_kv_cache_and_bad_batches(ex03):
         got = ex03.max_throughput_tokens_per_s(PARAM_BYTES, KV_PER_SEQ_GQA, batch, BANDWIDTH)
         assert abs(got - expected) <= 0.005 + 1e-9, \
             f"max_throughput_tokens_per_s(LLaMA-2-13B with 8 KV heads, batch {batch}): expected {expected}, got {got!r}"
-    float_close(ex03.max_throughput_tokens_per_s(5e9, 1e8, 3, 4e11), 3 / memory_bound_step(5e9, 1e8, 3, 4e11),
+    float_close(ex03.max_throughput_tokens_per_s(5e9, 1e8, 3, 4e11), throughput_reference(5e9, 1e8, 3, 4e11),
                 "max_throughput_tokens_per_s(5e9, 1e8, batch 3, 4e11)")
     raises(ValueError, ex03.max_throughput_tokens_per_s, PARAM_BYTES, KV_PER_SEQ, 0, BANDWIDTH,
            call="max_throughput_tokens_per_s(batch=0)")
@@ -185,8 +206,15 @@ def test_ex3_5_five_times_smaller_kv_cache_and_bad_batches(ex03):
 
 # --------------------------------------------------------------------------- 3.6
 
+@reference
 def batch_reference(param_bytes, kv, hbm):
     return max(0, math.floor((hbm - param_bytes) / kv))
+
+
+@reference
+def whole_batch_reference(param_bytes, kv, hbm):
+    """``batch_reference`` for whole byte counts, in exact integers."""
+    return max(0, (hbm - param_bytes) // kv)
 
 
 @pytest.mark.exercise("3.6")
@@ -206,6 +234,7 @@ def test_ex3_6_exact_fits_and_no_room(ex03, drawn):
     for i in range(6):              # drawn whole byte counts; every other case fits exactly
         param, kv = rng.randint(10**8, 10**12), rng.randint(10**6, 10**10)
         hbm = param + kv * rng.randint(0, 500) + (0 if i % 2 else rng.randint(-kv // 2, kv - 1))
-        equal(ex03.max_batch_size(param, kv, hbm), max(0, (hbm - param) // kv), f"max_batch_size({param}, {kv}, {hbm}; {drawn})")
+        equal(ex03.max_batch_size(param, kv, hbm), whole_batch_reference(param, kv, hbm),
+              f"max_batch_size({param}, {kv}, {hbm}; {drawn})")
     equal(ex03.max_batch_size(200e9, KV_PER_SEQ, HBM_BYTES), 0, "max_batch_size(200 GB of weights in 128 GiB)")
     raises(ValueError, ex03.max_batch_size, PARAM_BYTES, 0, HBM_BYTES, call="max_batch_size(kv_bytes_per_seq=0)")

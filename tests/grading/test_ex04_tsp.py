@@ -7,9 +7,25 @@ one-process forward pass of the tiny model for the engine runs.
 import pytest
 
 from toyllm.grading.expect import equal, raises
+from toyllm.grading.references import reference
 from toyllm.parallel import ModelSpec
 
 ATOL = 1e-4      # float32 K/V: the ranks sum the same products in another order
+
+
+@reference
+def dot_products_reference(chunks):
+    return [c * sum(chunks) for c in chunks]
+
+
+@reference
+def received_reference(chunks, n_kv_heads, head_dim, bytes_per_value):
+    return [2.0 * (sum(chunks) - c) * n_kv_heads * head_dim * bytes_per_value for c in chunks]
+
+
+@reference
+def sent_reference(tokens, d_model, p, bytes_per_value):
+    return 2 * 2 * (p - 1) / p * tokens * d_model * bytes_per_value
 
 
 # --------------------------------------------------------------------------- 4.1
@@ -31,7 +47,7 @@ def test_ex4_1_uneven_and_drawn_chunks_and_bad_input(ex04, drawn):
     rng = drawn.rng("4.1")
     for _ in range(4):
         chunks = [rng.randint(1, 5000) for _ in range(rng.randint(1, 8))]
-        got, expected = ex04.tsp_dot_products(chunks), [c * sum(chunks) for c in chunks]
+        got, expected = ex04.tsp_dot_products(chunks), dot_products_reference(chunks)
         assert got == expected and all(type(n) is int for n in got), \
             f"tsp_dot_products({chunks}; {drawn}): expected {expected} (ints), got {got!r}"
     for bad in ([], [4, 0, 2], [3, -1]):
@@ -80,7 +96,7 @@ def test_ex4_2_four_ranks_one_token_chunk_and_multi_query(ex04, engine_run):
 @pytest.mark.points(1)
 def test_ex4_3_bytes_received_per_rank(ex04):
     got = ex04.tsp_kv_bytes_received([4096, 4096], n_kv_heads=40, head_dim=128, bytes_per_value=2)
-    expected = [2 * 4096 * 40 * 128 * 2.0] * 2                       # LLaMA-2-13B shape, 8k tokens on 2 ranks
+    expected = received_reference([4096, 4096], 40, 128, 2)          # LLaMA-2-13B shape, 8k tokens on 2 ranks
     assert got == expected and all(type(b) is float for b in got), \
         f"tsp_kv_bytes_received([4096, 4096], 40 kv heads, head_dim 128, 2 bytes): expected {expected}, got {got!r}"
 
@@ -95,14 +111,14 @@ def check_bytes(got, expected, call):
 @pytest.mark.points(1)
 def test_ex4_3_uneven_drawn_chunks_and_half_byte_values(ex04, drawn):
     check_bytes(ex04.tsp_kv_bytes_received([3, 5, 1], n_kv_heads=3, head_dim=64, bytes_per_value=0.5),
-                [2 * 6 * 192 * 0.5, 2 * 4 * 192 * 0.5, 2 * 8 * 192 * 0.5],
+                received_reference([3, 5, 1], 3, 64, 0.5),
                 "tsp_kv_bytes_received([3, 5, 1], 3 kv heads, head_dim 64, 4-bit values)")
     rng = drawn.rng("4.3")
     for _ in range(4):
         chunks = [rng.randint(1, 5000) for _ in range(rng.randint(1, 8))]
         heads, dim, bpv = rng.randint(1, 64), rng.choice([32, 64, 80, 128]), rng.choice([0.5, 1, 2, 4])
         check_bytes(ex04.tsp_kv_bytes_received(chunks, heads, dim, bpv),
-                    [2.0 * (sum(chunks) - c) * heads * dim * bpv for c in chunks],
+                    received_reference(chunks, heads, dim, bpv),
                     f"tsp_kv_bytes_received({chunks}, {heads} kv heads, head_dim {dim}, {bpv} bytes; {drawn})")
 
 
@@ -112,7 +128,7 @@ def test_ex4_3_uneven_drawn_chunks_and_half_byte_values(ex04, drawn):
 @pytest.mark.points(1)
 def test_ex4_4_llama2_13b_on_eight_gpus(ex04):
     got = ex04.tensor_parallel_bytes_sent(8192, 5120, 8, bytes_per_value=2)
-    expected = 2 * 2 * 7 / 8 * 8192 * 5120 * 2
+    expected = sent_reference(8192, 5120, 8, 2)
     assert type(got) is float and got == pytest.approx(expected, rel=1e-12), \
         f"tensor_parallel_bytes_sent(8192 tokens, d_model 5120, p=8, 2 bytes): expected {expected:.6g}, got {got!r}"
 
@@ -128,6 +144,6 @@ def test_ex4_4_one_process_sends_nothing_and_others_do(ex04, drawn):
     for i, (tokens, d, p, bpv) in enumerate(cases):
         call = f"tensor_parallel_bytes_sent({tokens} tokens, d_model {d}, p={p}, {bpv} bytes{f'; {drawn}' if i else ''})"
         got = ex04.tensor_parallel_bytes_sent(tokens, d, p, bytes_per_value=bpv)
+        expected = sent_reference(tokens, d, p, bpv)
         equal(type(got), float, f"{call}: type of the result")
-        assert got == pytest.approx(2 * 2 * (p - 1) / p * tokens * d * bpv, rel=1e-12), \
-            f"{call}: expected {2 * 2 * (p - 1) / p * tokens * d * bpv!r}, got {got!r}"
+        assert got == pytest.approx(expected, rel=1e-12), f"{call}: expected {expected!r}, got {got!r}"

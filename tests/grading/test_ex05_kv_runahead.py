@@ -9,6 +9,7 @@ import re
 import pytest
 
 from toyllm.grading.expect import raises
+from toyllm.grading.references import reference
 from toyllm.parallel import ModelSpec
 from toyllm.utils import random_prompt
 
@@ -91,6 +92,7 @@ def test_ex5_3_the_papers_example(ex05):
         f"kvr_counts([4, 3, 2]): expected ([16, 21, 18], 22) with ints, got {got!r}"
 
 
+@reference
 def reference_counts(chunks):
     """(dot products per rank, K/V rows sent), counted from the definition."""
     dots, rows = [], 0
@@ -119,6 +121,11 @@ def test_ex5_3_other_and_drawn_partitions_and_bad_input(ex05, drawn):
 
 # --------------------------------------------------------------------------- 5.4
 
+@reference
+def bound_reference(t, p):
+    return t / 2 * (1 / p + 1 / p ** 2)
+
+
 @pytest.mark.exercise("5.4")
 @pytest.mark.points(1)
 def test_ex5_4_lower_bound(ex05, drawn):
@@ -126,7 +133,7 @@ def test_ex5_4_lower_bound(ex05, drawn):
     rng = drawn.rng("5.4")
     for _ in range(4):
         t, p = rng.uniform(0.001, 100.0), rng.randint(1, 64)
-        cases[(t, p)] = t / 2 * (1 / p + 1 / p ** 2)
+        cases[(t, p)] = bound_reference(t, p)
     for (t, p), expected in cases.items():
         got = ex05.ttft_lower_bound(t, p)
         assert type(got) is float and got == pytest.approx(expected, rel=1e-12), \

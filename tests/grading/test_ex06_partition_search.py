@@ -19,6 +19,7 @@ import pytest
 from toyllm.grading import sandboxed
 from toyllm.grading import harness
 from toyllm.grading.expect import close, equal, raises
+from toyllm.grading.references import reference
 from toyllm.model import get_config
 from toyllm.simulate import CostModel
 
@@ -165,6 +166,7 @@ def test_ex6_2_on_the_simulator(ex06):
 
 # --------------------------------------------------------------------------- 6.3
 
+@reference
 def reference_partition(table, context):
     keys = sorted(table)
     if context <= keys[0]:
@@ -276,13 +278,19 @@ def test_ex6_4_recovers_exact_coefficients(ex06, drawn):
             close(value, expected, f"{call}: {name}", rel=1e-6, abs_tol=1e-12)
 
 
+@reference
+def least_squares(samples):
+    """[a, b, c] of the least-squares fit, with the columns scaled to 1 for a well-conditioned solve."""
+    X = np.array([[t, d, 1.0] for t, d, _ in samples])
+    y = np.array([s for _, _, s in samples])
+    return (np.linalg.lstsq(X / X.max(0), y, rcond=None)[0] / X.max(0)).tolist()
+
+
 @pytest.mark.exercise("6.4")
 @pytest.mark.points(1)
 def test_ex6_4_least_squares_on_noisy_samples(ex06):
     samples = samples_from(3e-5, 2e-8, 5e-3, noise=0.05, seed=4)
-    X = np.array([[t, d, 1.0] for t, d, _ in samples])
-    y = np.array([s for _, _, s in samples])
-    expected = np.linalg.lstsq(X / X.max(0), y, rcond=None)[0] / X.max(0)
+    expected = least_squares(samples)
     got = ex06.fit_cost_model(samples)
     if type(got) is not tuple or len(got) != 3 or any(type(x) is not float for x in got):
         raise AssertionError(f"fit_cost_model(10 noisy samples): expected a tuple of 3 Python floats, got {got!r}")

@@ -13,12 +13,24 @@ import pytest
 
 from toyllm.grading import harness, sandboxed
 from toyllm.grading.expect import close, equal, raises
+from toyllm.grading.references import reference
 from toyllm.model import get_config
 from toyllm.simulate import CostModel
 
 BENCH = get_config("bench")
 CPU_LIKE = CostModel(qkv_s_per_token=4e-6, mlp_s_per_token=8e-6, attn_s_per_dot=2e-9, layer_overhead_s=1e-4,
                      link_bandwidth_bytes_per_s=3e9, link_latency_s=5e-5, label="test values")
+
+
+@reference
+def chain_reference(chunks, row_bytes, bandwidth, latency):
+    """Seconds of each message: rank i sends K and V of tokens 0 .. the end of its chunk."""
+    return [2 * sum(chunks[:i + 1]) * row_bytes / bandwidth + latency for i in range(len(chunks) - 1)]
+
+
+@reference
+def ring_reference(chunks, row_bytes, bandwidth, latency):
+    return (len(chunks) - 1) * (2 * max(chunks) * row_bytes / bandwidth + latency)
 
 
 def check_floats(got, n, call):
@@ -35,8 +47,8 @@ def test_ex7_1_the_papers_example(ex07):
     call = "chain_transfer_s([4, 3, 2], row_bytes=1024, bandwidth=1e9 B/s, latency=1e-5 s)"
     got = ex07.chain_transfer_s([4, 3, 2], 1024, 1e9, 1e-5)
     check_floats(got, 2, call)
-    for i, (g, rows) in enumerate(zip(got, (8, 14))):
-        close(g, rows * 1024 / 1e9 + 1e-5, f"{call}: message {i} -> {i + 1} ({rows} rows)", rel=1e-12)
+    for i, (g, rows, want) in enumerate(zip(got, (8, 14), chain_reference([4, 3, 2], 1024, 1e9, 1e-5))):
+        close(g, want, f"{call}: message {i} -> {i + 1} ({rows} rows)", rel=1e-12)
 
 
 @pytest.mark.exercise("7.1")
@@ -45,8 +57,8 @@ def test_ex7_1_other_and_drawn_partitions_and_bad_input(ex07, drawn):
     call = "chain_transfer_s([1000, 700, 500, 300], row_bytes=512, bandwidth=10e9, latency=2e-6)"
     got = ex07.chain_transfer_s([1000, 700, 500, 300], 512, 10e9, 2e-6)
     check_floats(got, 3, call)
-    for i, (g, end) in enumerate(zip(got, (1000, 1700, 2200))):
-        close(g, 2 * end * 512 / 10e9 + 2e-6, f"{call}: message {i} -> {i + 1}", rel=1e-12)
+    for i, (g, want) in enumerate(zip(got, chain_reference([1000, 700, 500, 300], 512, 10e9, 2e-6))):
+        close(g, want, f"{call}: message {i} -> {i + 1}", rel=1e-12)
     rng = drawn.rng("7.1")
     for _ in range(4):
         chunks = [rng.randint(1, 5000) for _ in range(rng.randint(2, 8))]
@@ -54,8 +66,8 @@ def test_ex7_1_other_and_drawn_partitions_and_bad_input(ex07, drawn):
         call = f"chain_transfer_s({chunks}, {rb}, {bw:g}, {lat:g}; {drawn})"
         got = ex07.chain_transfer_s(chunks, rb, bw, lat)
         check_floats(got, len(chunks) - 1, call)
-        for i, g in enumerate(got):
-            close(g, 2 * sum(chunks[:i + 1]) * rb / bw + lat, f"{call}: message {i} -> {i + 1}", rel=1e-12)
+        for i, (g, want) in enumerate(zip(got, chain_reference(chunks, rb, bw, lat))):
+            close(g, want, f"{call}: message {i} -> {i + 1}", rel=1e-12)
     equal(ex07.chain_transfer_s([64], 512, 1e9, 1e-6), [], "chain_transfer_s([64], ...) (one process sends nothing)")
     for args, why in [(([], 512, 1e9, 0.0), "empty partition"), (([3, 0], 512, 1e9, 0.0), "a chunk of 0"),
                       (([3, 3], 512, 0.0, 0.0), "bandwidth 0"), (([3, 3], 512, 1e9, -1.0), "negative latency")]:
@@ -77,7 +89,7 @@ def test_ex7_2_even_uneven_and_drawn_rings(ex07, drawn):
         call = f"ring_allgather_s({shown}, {rb}, {bw:g}, {lat:g}{f'; {drawn}' if i >= 4 else ''})"
         got = ex07.ring_allgather_s(chunks, rb, bw, lat)
         equal(type(got), float, f"{call}: type of the result")
-        close(got, (len(chunks) - 1) * (2 * max(chunks) * rb / bw + lat), call, rel=1e-12)
+        close(got, ring_reference(chunks, rb, bw, lat), call, rel=1e-12)
 
 
 @pytest.mark.exercise("7.2")
@@ -91,6 +103,7 @@ def test_ex7_2_one_process_and_bad_input(ex07):
 
 # --------------------------------------------------------------------------- 7.3
 
+@reference
 def reference_kvr_ttft(chunks, n_layers, row_bytes, cm):
     arrived_prev = [0.0] * n_layers
     s = 0

@@ -18,13 +18,15 @@ import torch
 from toyllm import DynamicKVCache, build_model
 from toyllm.grading import sandboxed
 from toyllm.grading.expect import equal, raises, tensors_close
+from toyllm.grading.references import reference
 from toyllm.paged import BlockPool
 
 LOGIT_ATOL = 1e-5       # float32 logits of the tiny model; the paged and the dynamic cache hold the same rows
 BLOCK = 4               # tokens per block in these tests: small, so that short prompts cross block ends
 
 
-def reference(ops) -> list[torch.Tensor]:
+@reference
+def dynamic_cache_logits(ops) -> list[torch.Tensor]:
     """The last-token logits of every feed of ``ops``, each sequence in a DynamicKVCache of its own."""
     model = build_model("tiny", seed=0)
     caches, out = [], []
@@ -47,7 +49,7 @@ def run(ops, prepare=None, gather=None, n_blocks=32):
 
 
 def check_logits(got, ops, what):
-    for n, (g, want) in enumerate(zip(got["logits"], reference(ops))):
+    for n, (g, want) in enumerate(zip(got["logits"], dynamic_cache_logits(ops))):
         feeds = [op for op in ops if op[0] == "feed"]
         seq, ids = feeds[n][1], feeds[n][2]
         tensors_close(g, want, f"{what}: logits after feed {n + 1} (sequence {seq}, {len(ids)} new tokens)",
@@ -153,6 +155,7 @@ def test_ex8_1_a_block_used_alone_is_not_copied_and_bad_input(ex08):
 
 # --------------------------------------------------------------------------- 8.2
 
+@reference
 def gathered_one_by_one(store, table, layer, length):
     """Row t of the answer is token t: block table[t // block_size], row t % block_size."""
     bs = store.shape[-2]
@@ -218,6 +221,7 @@ def test_ex8_2_no_rows_and_bad_input(ex08):
 
 # --------------------------------------------------------------------------- 8.3
 
+@reference
 def planned(prompt_left, done, budget):
     """The definition, one sequence at a time: done 0, decodes 1 (all of them first), then prompts in order."""
     left_over = None if budget is None else budget - sum(1 for n, d in zip(prompt_left, done) if n == 0 and not d)
@@ -231,15 +235,24 @@ def planned(prompt_left, done, budget):
     return plan
 
 
+@reference
+def generated_alone(workload):
+    """{request id: its output tokens}: greedy generation of each request by itself, with no server."""
+    from toyllm import generate
+
+    model = build_model("tiny", seed=0)
+    return {r.id: generate(model, list(r.prompt_ids), r.max_new_tokens, cache="dynamic").output_ids for r in workload}
+
+
 def serving_with(plan):
     """The server plans every iteration with ``plan`` under each policy: the tokens of every request equal
     greedy generation of that request alone, and no chunked iteration carries more than its budget."""
-    from toyllm import generate
+    from toyllm.model import get_config
     from toyllm.serving import poisson_workload
 
-    model = build_model("tiny", seed=0)
-    workload = poisson_workload(6, 200.0, model.config.vocab_size, prompt_tokens=(3, 20), new_tokens=(1, 6), seed=3)
-    want = {r.id: generate(model, list(r.prompt_ids), r.max_new_tokens, cache="dynamic").output_ids for r in workload}
+    workload = poisson_workload(6, 200.0, get_config("tiny").vocab_size, prompt_tokens=(3, 20), new_tokens=(1, 6),
+                                seed=3)
+    want = generated_alone(workload)
     for policy, budget in (("static", 64), ("continuous", 64), ("chunked", 8)):
         got = sandboxed("toyllm.grading.harness:serve_run", workload, policy, plan=plan, max_batch=3,
                         token_budget=budget, block_size=BLOCK)
@@ -306,6 +319,7 @@ def test_ex8_3_bad_input(ex08):
 
 # --------------------------------------------------------------------------- 8.4
 
+@reference
 def shipped(cfg, tokens, bytes_per_value, block_size=None):
     """The definition in exact fractions: K and V, every layer and KV head, head_dim values per row sent."""
     from fractions import Fraction

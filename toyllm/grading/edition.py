@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .course import course_root
+from .references import write_expected_values
 from .stubs import HINT_LEVELS, make_stub
 
 # Files of the instructor edition that a class does not get.
@@ -231,6 +232,7 @@ def build(out: Path, hints: str = "idea", root: Path | None = None) -> list[str]
         else:
             shutil.copy2(src, dst)
         written.append(rel)
+    written += write_expected_values(out, root)        # the graded tests keep values, not reference functions
     found = find_answers(out, answer_texts(root))
     if found:
         raise ValueError(f"answer text found in the student edition at {out}: {found}")
