@@ -39,6 +39,12 @@ HIDDEN_TESTS = {
         @pytest.mark.points(3)
         def test_hidden_attention_intensity_of_a_short_prompt():
             assert load_exercise("ex03").attention_intensity(10, 10) == pytest.approx(5.0)
+
+        # the fixtures of the visible graded tests (tests/grading/conftest.py) serve hidden tests too
+        @pytest.mark.exercise("3.2")
+        @pytest.mark.points(1)
+        def test_hidden_decode_step_through_the_fixture(ex03):
+            assert ex03.attention_intensity(99, 1) == pytest.approx(0.99)      # S = 99 keys, T = 1 query
         ''',
     # named after nothing: its marker sends it to lesson 01's process
     "test_more_checks.py": '''
@@ -52,7 +58,7 @@ HIDDEN_TESTS = {
             assert load_exercise("ex01").greedy_next_token(torch.eye(7)[4]) == 4
         ''',
 }
-HIDDEN_POINTS = 4
+HIDDEN_POINTS = 5
 
 
 def stated_points() -> dict[str, int]:
@@ -141,9 +147,10 @@ def test_extra_tests_are_picked_up_by_their_exercise_marker(solutions_graded):
     report, results = solutions_graded
     hidden = {t.name: t for t in report.tests if t.hidden}
     assert set(hidden) == {"Exercise 3.2: test_hidden_attention_intensity_of_a_short_prompt (hidden)",
+                           "Exercise 3.2: test_hidden_decode_step_through_the_fixture (hidden)",
                            "Exercise 1.1: test_hidden_greedy_on_a_one_hot_vector (hidden)"}
-    assert all(t.status == "passed" for t in hidden.values())
-    assert report.by_exercise()["3.2"] == (2 + 3, 2 + 3)
+    assert all(t.status == "passed" for t in hidden.values()), [t.output for t in hidden.values()]
+    assert report.by_exercise()["3.2"] == (2 + 3 + 1, 2 + 3 + 1)
     shown = {t["name"]: t["visibility"] for t in results["tests"]}
     assert all(shown[name] == "after_published" for name in hidden)
 
@@ -236,6 +243,15 @@ def test_a_partial_submission_gets_partial_credit():
     assert report.by_lesson() == {1: (11, 15), 3: (0, 12)}
     missing = [t for t in report.tests if t.lesson == 3]
     assert all(t.status == "error" and "no file for exercise module 'ex03'" in t.output for t in missing)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_folder_is_graded_on_the_lessons_it_holds_and_the_report_names_the_rest():
+    report = grade(SUBMISSIONS / "partial")                 # ex01 only
+    assert set(report.by_lesson()) == {1} and report.by_lesson()[1] == (11, 15)
+    shown = report.table()
+    assert "not graded: ex02-ex08 (no exNN file for them in" in shown, shown
 
 
 @pytest.mark.slow

@@ -158,6 +158,20 @@ def _root_cause(error: Exception) -> str:
     return text.splitlines()[-1] if text else type(error).__name__
 
 
+def _engine_cause(step, spec, ids, method, p, chunks, ref_cache) -> str:
+    """"; rank 1, layer 0: ..." where the ranks' attention first differs from one process, or "" (see
+    ``toyllm.grading.expect.engine_cause``): the step runs once more, recorded."""
+    from toyllm.grading import sandboxed
+    from toyllm.grading.expect import engine_cause
+
+    try:
+        trace = sandboxed("toyllm.grading.harness:engine_trace", spec, ids, method, p, chunks, step=step)
+    except Exception:           # the first run already said what it could
+        return ""
+    cause = engine_cause(trace, [(k, v) for k, v in ref_cache], chunks, method)
+    return f"; {cause}" if cause else ""
+
+
 def make_engine_run():
     """``engine_run(step, "4.2", "tsp", p, chunks, seed=..., spec=..., decode=..., note=...)`` -> (result, one-process cache).
 
@@ -182,8 +196,9 @@ def make_engine_run():
         except Exception as e:
             pytest.fail(f"{where}: the run failed: {_root_cause(e)}")
         diff = (got.logits - ref_logits).abs().max().item()
-        assert diff < ENGINE_ATOL, (f"{where}: first-token logits differ from one process by {diff:.2e} "
-                                    f"(allowed {ENGINE_ATOL:g})")
+        if diff >= ENGINE_ATOL:
+            pytest.fail(f"{where}: first-token logits differ from one process by {diff:.2e} (allowed "
+                        f"{ENGINE_ATOL:g}){_engine_cause(step, spec, ids, method, p, chunks, ref_cache)}")
         return got, ref_cache
 
     return run

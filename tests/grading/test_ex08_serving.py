@@ -18,6 +18,7 @@ import torch
 from toyllm import DynamicKVCache, build_model
 from toyllm.grading import sandboxed
 from toyllm.grading.expect import equal, raises, tensors_close
+from toyllm.grading.sandbox import SubmissionCrash, SubmissionTimeout
 from toyllm.grading.references import reference
 from toyllm.paged import BlockPool
 
@@ -44,8 +45,46 @@ def dynamic_cache_logits(ops) -> list[torch.Tensor]:
 
 
 def run(ops, prepare=None, gather=None, n_blocks=32):
-    return sandboxed("toyllm.grading.harness:paged_run", ops, prepare=prepare, gather=gather, block_size=BLOCK,
-                     n_blocks=n_blocks)
+    try:
+        return sandboxed("toyllm.grading.harness:paged_run", ops, prepare=prepare, gather=gather, block_size=BLOCK,
+                         n_blocks=n_blocks)
+    except (SubmissionTimeout, SubmissionCrash):
+        raise
+    except Exception as e:
+        cause = gather_cause(gather) if gather is not None else ""
+        if not cause:
+            raise
+        raise AssertionError(f"{str(e).splitlines()[0] if str(e) else type(e).__name__}; {cause}") from None
+
+
+def gather_cause(gather_rows) -> str:
+    """What is wrong with a submitted gather_rows, from one small call: "" when that call is right."""
+    store = torch.arange(4 * 2 * 1 * BLOCK * 1, dtype=torch.float32).reshape(4, 2, 1, BLOCK, 1)
+    table, length = [2, 0], BLOCK + 2
+    call = f"gather_rows(store (4, 2, 1, {BLOCK}, 1), table={table}, layer=1, length={length})"
+    try:
+        got = gather_rows(store, table, 1, length)
+    except Exception as e:
+        return f"{call} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    want = gathered_one_by_one(store, table, 1, length)
+    if not isinstance(got, torch.Tensor):
+        return f"{call} returned {type(got).__name__}, not a tensor"
+    if got.dim() == 4 and got.shape[-2] != length:
+        return f"{call} returned {got.shape[-2]} rows instead of {length}{cut_hint(got.shape[-2], length)}"
+    if got.shape != want.shape:
+        return f"{call} returned shape {tuple(got.shape)} instead of {tuple(want.shape)}"
+    if not torch.equal(got, want):
+        t = next(t for t in range(length) if not torch.equal(got[0, :, t], want[0, :, t]))
+        return f"{call}: row {t} is not token {t}'s, which lives in block {table[t // BLOCK]} at row {t % BLOCK}"
+    return ""
+
+
+def cut_hint(rows: int, length: int) -> str:
+    """Why a gather returned ``rows`` rows for ``length`` tokens, when the reason is clear."""
+    if rows > length and rows % BLOCK == 0 and rows - length < BLOCK:
+        return (f": the last block is returned whole; the sequence holds only {length} tokens, so the rows after "
+                f"row {length - 1} (not yet written) must be cut")
+    return ""
 
 
 def check_logits(got, ops, what):
@@ -184,7 +223,8 @@ def test_ex8_2_rows_in_token_order(ex08, drawn):
             raise AssertionError(f"{call}: expected a {store.dtype} tensor of shape {tuple(want.shape)} "
                                  f"(1, n_kv_heads, length, head_dim), got "
                                  f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}"
-                                 f"{' ' + str(got.dtype) if isinstance(got, torch.Tensor) else ''}")
+                                 f"{' ' + str(got.dtype) if isinstance(got, torch.Tensor) else ''}"
+                                 f"{cut_hint(got.shape[-2], length) if isinstance(got, torch.Tensor) and got.dim() == 4 else ''}")
         if not torch.equal(got, want):
             t = next(t for t in range(length) if not torch.equal(got[0, :, t], want[0, :, t]))
             raise AssertionError(f"{call}: row {t} is not token {t}'s, which lives in block "
@@ -199,8 +239,12 @@ def test_ex8_2_rows_in_token_order(ex08, drawn):
 def test_ex8_2_the_model_attends_over_the_blocks(ex08):
     ops = [("feed", 0, tokens(6)), ("feed", 0, tokens(1, 40)), ("fork", 0), ("feed", 1, tokens(5, 80)),
            ("feed", 0, tokens(2, 120)), ("feed", 2, tokens(9, 160)), ("feed", 1, tokens(1, 170))]
-    check_logits(run(ops, gather=ex08.gather_rows), ops,
-                 "gather_rows in the paged cache, sequences of 6, 7, 9 and 12 tokens, one of them forked")
+    got = run(ops, gather=ex08.gather_rows)
+    try:
+        check_logits(got, ops, "gather_rows in the paged cache, sequences of 6, 7, 9 and 12 tokens, one of them forked")
+    except AssertionError as e:
+        cause = gather_cause(ex08.gather_rows)
+        raise AssertionError(f"{e}; {cause}" if cause else str(e)) from None
 
 
 @pytest.mark.exercise("8.2")

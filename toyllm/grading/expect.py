@@ -15,7 +15,7 @@ import numbers
 
 import torch
 
-__all__ = ["close", "equal", "raises", "same_tokens", "tensors_close"]
+__all__ = ["close", "engine_cause", "equal", "raises", "same_tokens", "tensors_close"]
 
 
 def _show(x) -> str:
@@ -92,3 +92,111 @@ def raises(error: type[BaseException], fn, *args, call: str, why: str = "", **kw
                              f"got {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     raise AssertionError(f"{call}: expected {error.__name__}{' (' + why + ')' if why else ''}, "
                          f"but it returned {_show(value)}")
+
+
+# --------------------------------------------------------------------------- the engine: what each rank attended over
+
+def _spans(values: list[int]) -> str:
+    """[0, 1, 2, 7, 8] -> "0-2, 7-8": runs of consecutive integers."""
+    runs: list[list[int]] = []
+    for x in values:
+        if runs and x == runs[-1][1] + 1:
+            runs[-1][1] = x
+        else:
+            runs.append([x, x])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _tokens_of_rows(got: torch.Tensor, reference: torch.Tensor, atol: float) -> list[int | None]:
+    """For each row of ``got`` (1, Hkv, S, D), the token whose row of ``reference`` (1, Hkv, C, D) it equals."""
+    flat_got = got[0].transpose(0, 1).reshape(got.shape[-2], -1).double()              # (S, Hkv * D)
+    flat_ref = reference[0].transpose(0, 1).reshape(reference.shape[-2], -1).double()  # (C, Hkv * D)
+    if flat_got.shape[-1] != flat_ref.shape[-1]:
+        return [None] * got.shape[-2]
+    dist = (flat_got[:, None, :] - flat_ref[None, :, :]).abs().amax(-1)                 # (S, C)
+    best = dist.min(-1)
+    return [int(t) if d <= atol else None for d, t in zip(best.values.tolist(), best.indices.tolist())]
+
+
+def _owners(tokens: list[int], starts: list[int], rank: int) -> str:
+    """Who holds these tokens: "its own", "rank 0's" or "ranks 0-1's"."""
+    ranks = sorted({max(r for r, s in enumerate(starts) if s <= t) for t in tokens})
+    if ranks == [rank]:
+        return "its own"
+    return f"rank {ranks[0]}'s" if len(ranks) == 1 else f"ranks {_spans(ranks)}'s"
+
+
+def _rows(first: int, last: int) -> str:
+    return f"rows {first}-{last}" if last > first else f"row {first}"
+
+
+def _describe_rows(tokens: list[int | None], starts: list[int], rank: int) -> str:
+    """ "rows 0-9 hold its own tokens 25-34, rows 10-34 hold rank 0's tokens 0-24" """
+    parts, row = [], 0
+    while row < len(tokens):
+        end = row
+        if tokens[row] is None:
+            while end + 1 < len(tokens) and tokens[end + 1] is None:
+                end += 1
+            parts.append(f"{_rows(row, end)} match{'' if end > row else 'es'} no token of the one-process run")
+        else:
+            while (end + 1 < len(tokens) and tokens[end + 1] is not None and tokens[end + 1] == tokens[end] + 1):
+                end += 1
+            held = tokens[row:end + 1]
+            parts.append(f"{_rows(row, end)} hold{'' if end > row else 's'} {_owners(held, starts, rank)} "
+                         f"token{'s' if end > row else ''} {_spans(held)}")
+        row = end + 1
+    return ", ".join(parts)
+
+
+def engine_cause(trace: list[dict], reference: list[tuple[torch.Tensor, torch.Tensor]], chunks: list[int],
+                 method: str, atol: float = 1e-4) -> str:
+    """The first rank and layer whose attention inputs differ from the one-process run, and how; "" if none does.
+
+    trace: ``toyllm.grading.harness.engine_trace``'s records. reference: the
+    one-process cache, (keys, values) per layer, each (1, Hkv, C, D).
+    method: "kvr" (rank i should attend over tokens [0, s_i + c_i)) or
+    "tsp" (over all C tokens). The row of key t is token t and its
+    position is t. Layers are checked in order and, within one, ranks in
+    order, so the first difference found is where the error starts.
+    """
+    starts = [sum(chunks[:r]) for r in range(len(chunks))]
+    records = {(r["rank"], r["layer"]): r for r in trace}
+    for layer, (k_ref, v_ref) in enumerate(reference):
+        for rank, (start, c) in enumerate(zip(starts, chunks)):
+            record = records.get((rank, layer))
+            if record is None:
+                continue
+            where = f"rank {rank}, layer {layer}"
+            want = start + c if method == "kvr" else sum(chunks)
+            expected = list(range(want))
+            q_pos = record["q_pos"]
+            if q_pos is not None and q_pos.tolist() != list(range(start, start + c)):
+                return (f"{where}: the query positions given to attend are {_spans(q_pos.tolist())}; the rank's own "
+                        f"tokens are {_spans(list(range(start, start + c)))}, so those are their positions (pos.q_pos)")
+            k = record["k"] if record["k"] is not None else record["k_out"]
+            v = record["v"] if record["v"] is not None else record["v_out"]
+            for label, got, ref in (("keys", k, k_ref), ("values", v, v_ref)):
+                tokens = _tokens_of_rows(got, ref, atol)
+                if tokens == expected:
+                    continue
+                ahead = ""
+                own = set(range(start, start + c))
+                held = [t for t in tokens if t is not None]
+                if rank and held and held[0] in own and any(t < start for t in held):
+                    ahead = f"; the prefix from ranks before it (tokens 0-{start - 1}) should come first"
+                elif all(t is not None for t in tokens) and sorted(tokens) == expected:
+                    ahead = "; row t should hold token t"
+                elif all(t is None for t in tokens):
+                    ahead = ("; at this layer the keys and values of the tokens themselves differ, so what the "
+                             "layers before it returned (the hidden states after layer.finish) already differs"
+                             if layer else "; at layer 0 every key is the projection of a token with RoPE at its "
+                             "position (layer.qkv with pos.cos, pos.sin)")
+                return (f"{where}: of the {got.shape[-2]} {label} it attended over, {_describe_rows(tokens, starts, rank)}"
+                        f"; it should attend over tokens {_spans(expected)} in order{ahead}")
+            k_pos = record["k_pos"]
+            if k_pos is not None and k_pos.tolist() != expected:
+                return (f"{where}: the key positions given to attend are {_spans(k_pos.tolist())}; its keys are "
+                        f"tokens {_spans(expected)}, so they should be {_spans(expected)} (the position of a key is "
+                        "its token's place in the prompt)")
+    return ""

@@ -23,7 +23,8 @@ from .impl import NAMED_IMPLS, current_impl, resolve_impl
 from .report import GradeReport, explain, format_points
 from .run import GradingError, close_standby, open_to_others, private_copy_of_tests, run_lesson
 from .sandbox import DEFAULT_MEMORY_MB, isolation, namespaces_work, sandbox_user
-from .selection import lesson_files, select
+from .selection import held_lessons, lesson_files, lesson_ranges, select
+from .submission import read_submission
 
 
 def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = None,
@@ -76,7 +77,14 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
     if not pending:
         raise GradingError(f"no graded tests found in {grading_tests_dir()}")
 
-    report = GradeReport(impl=impl_env, isolation=isolation())
+    submitted, notes = read_submission(impl_dir)
+    if only is None and impl_env not in NAMED_IMPLS:
+        # A student's folder is graded on the lessons it holds; --only names a lesson to grade it anyway.
+        pending, skipped = held_lessons(pending, submitted)
+        if skipped:
+            notes.append(f"not graded: {lesson_ranges(skipped)} (no exNN file for {'it' if len(skipped) == 1 else 'them'} "
+                         f"in {impl_dir}; grade one anyway with --only)")
+    report = GradeReport(impl=impl_env, isolation=isolation(), notes=notes)
     start = time.perf_counter()
     done: set[int] = set()
     with tempfile.TemporaryDirectory(prefix="toyllm-grade-") as tmp:      # mode 0700: the grader's alone

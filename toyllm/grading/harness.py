@@ -145,6 +145,73 @@ def close_pools() -> None:
         _pools.popitem()[1].close()
 
 
+TRACE_ENV = "TOYLLM_GRADE_TRACE"       # folder where ``traced_step`` leaves what each rank attended over
+
+
+def engine_trace(spec, ids, method: str, p: int, chunks, step, timeout_s: float = 20) -> list[dict]:
+    """Run a submitted step in the engine as ``parallel_prefill`` does, and return what every rank attended over.
+
+    One dict per rank and layer, in rank order then layer order: ``rank``,
+    ``layer``, ``q_pos`` and ``k_pos`` (the positions the step gave
+    ``layer.attend``, token indices into the prompt), ``k`` and ``v`` (the
+    keys and values it gave ``layer.attend``, (1, Hkv, S, D); None if it
+    never called it) and ``k_out``, ``v_out`` (the keys and values the step
+    returned). For the graded tests' failure messages: data only, judged there.
+    """
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from toyllm.launch import WorkerPool
+    from toyllm.parallel import parallel_prefill as run
+    from toyllm.parallel.runner import step_reference
+
+    from .guard import current
+
+    exercise, forbidden, files = current()
+    folder = Path(tempfile.mkdtemp(prefix="toyllm-trace-"))
+    env = {GUARDED_STEP_ENV: json.dumps({"step": step_reference(step), "exercise": exercise,
+                                         "forbidden": list(forbidden), "files": list(files)}),
+           TRACE_ENV: str(folder)}
+    pool = WorkerPool(p, timeout_s=60, env=env)
+    try:
+        run(spec, ids, method, p, chunks, pool=pool, step=f"{__name__}:traced_step", warmup=0,
+            timeout_s=timeout_s)
+        found = [torch.load(f) for f in folder.glob("*.pt")]
+    finally:
+        pool.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    return sorted(found, key=lambda r: (r["rank"], r["layer"]))
+
+
+class _RecordingLayer:
+    """A layer that notes what the step hands to ``attend`` (everything else goes to the layer itself)."""
+
+    def __init__(self, layer):
+        self._layer, self.attended = layer, None
+
+    def attend(self, q, k, v, q_pos, k_pos, attention):
+        self.attended = {"q_pos": q_pos.detach().clone(), "k_pos": k_pos.detach().clone(),
+                         "k": k.detach().clone(), "v": v.detach().clone()}
+        return self._layer.attend(q, k, v, q_pos, k_pos, attention)
+
+    def __getattr__(self, name):
+        return getattr(self._layer, name)
+
+
+def traced_step(layer, x, pos, comm, attention):
+    """``guarded_step`` with the layer's ``attend`` recorded; one file per rank and layer in ``$TOYLLM_GRADE_TRACE``."""
+    from pathlib import Path
+
+    recording = _RecordingLayer(layer)
+    out = guarded_step(recording, x, pos, comm, attention)
+    seen = recording.attended or {"q_pos": None, "k_pos": None, "k": None, "v": None}
+    record = {"rank": comm.rank, "layer": comm.layer, **seen, "k_out": out[1].detach().clone(),
+              "v_out": out[2].detach().clone()}
+    torch.save(record, Path(os.environ[TRACE_ENV]) / f"{comm.rank}-{comm.layer}.pt")
+    return out
+
+
 # --------------------------------------------------------------------------- lesson 08: the paged cache
 
 def paged_run(ops, *, prepare=None, gather=None, block_size: int = 4, n_blocks: int = 32, seed: int = 0) -> dict:

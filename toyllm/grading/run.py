@@ -44,7 +44,8 @@ def private_copy_of_tests(tmp: Path, extra_dir: Path | None) -> tuple[Path, Path
         shutil.copyfile(shared, tmp / "tests" / "conftest.py")
     private_extra = None
     if extra_dir is not None:
-        private_extra = tmp / "hidden"
+        # Beside the graded tests, under their conftest.py: hidden tests use the same fixtures (ex05, tiny_model, ...).
+        private_extra = local / "hidden"
         shutil.copytree(extra_dir, private_extra, ignore=ignore)
     return local, private_extra
 

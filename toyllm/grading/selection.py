@@ -70,3 +70,14 @@ def select(only, local: dict[int, Path], extra_dir: Path | None) -> tuple[list[i
                              f"{lesson_ranges(pending)})")
         pending = sorted(wanted)
     return pending, wanted, only_exercises
+
+
+def held_lessons(pending: list[int], submitted_names) -> tuple[list[int], list[int]]:
+    """(the lessons of ``pending`` a submission holds an ``exNN_*.py`` file for, the others).
+
+    A submission with no lesson file at all keeps every lesson: it is graded, and scores nothing.
+    """
+    held = {int(m[1]) for name in submitted_names if (m := re.fullmatch(r"ex(\d\d)_\w*\.py", name))}
+    if not held:
+        return pending, []
+    return [n for n in pending if n in held], [n for n in pending if n not in held]
