@@ -69,6 +69,7 @@ class GradeReport:
     tests: list[TestResult] = field(default_factory=list)
     execution_time_s: float = 0.0
     isolation: str = ""        # who ran the submission (sandbox.isolation())
+    notes: list[str] = field(default_factory=list)     # submitted files not graded, and why (submission.py)
 
     @property
     def score(self) -> float:
@@ -101,7 +102,7 @@ class GradeReport:
         show_hidden=False (what a student may see) names no hidden test and
         shows none of its messages: only that one of an exercise did not pass.
         """
-        lines = [f"implementation: {self.impl}", *([self.isolation] if self.isolation else []),
+        lines = [f"implementation: {self.impl}", *([self.isolation] if self.isolation else []), *self.notes,
                  f"{'exercise':<10}{'score':>8}{'max':>6}  tests passed"]
         exercises = self.by_exercise()
         for lesson, (lesson_score, lesson_max) in self.by_lesson().items():

@@ -218,8 +218,11 @@ class Sandbox:
         """What the sandbox gets: the submission as it is now, and every model answer but the graded one."""
         from .course import resolve_impl, solutions_dir
         from .stubs import make_stub
+        from .submission import read_submission
 
-        files = {f"submission/{path.name}": path.read_text() for path in resolve_impl().glob("*.py")}
+        # Text read as regular files, never through a link; grade() reports what was skipped.
+        submitted, _ = read_submission(resolve_impl())
+        files = {f"submission/{name}": text for name, text in submitted.items()}
         try:
             reference = solutions_dir()
         except ValueError:                  # the student edition: no model answers
