@@ -114,6 +114,11 @@ _found: dict[tuple, list] = {}     # choice -> [file, its stamp, the function, t
 RECHECK_S = 0.1
 
 
+# Every exercise ``exercise`` was asked for since this set was last cleared: in the student edition a graded
+# test that fails names those of them that fail their own tests (``toyllm.grading.expect.neighbours_note``).
+ran: set[str] = set()
+
+
 def exercise(number: str):
     """The function that is Exercise ``number`` in the edition's implementation (model answers, or the student's).
 
@@ -122,6 +127,7 @@ def exercise(number: str):
     function found once is kept while its file is unchanged: the file's
     stamp (one ``stat``) is read again at most every ``RECHECK_S`` seconds.
     """
+    ran.add(number)
     choice = (number, EDITION, os.getcwd(), *(os.environ.get(name) for name in _CHOICE_ENV))
     known = _found.get(choice)
     if known is not None:

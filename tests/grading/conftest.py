@@ -232,3 +232,39 @@ def engine_workers_end_with_the_module():
 def tiny_model():
     """A fresh, seeded copy of the "tiny" preset per test (exercises may swap its attention)."""
     return build_model("tiny", seed=0)
+
+
+def _exercises_ran() -> set[str]:
+    """The exercises the framework ran since the last call, here and in the sandbox; the record starts again."""
+    ran = set(answers.ran)
+    answers.ran.clear()
+    if os.environ.get(SANDBOX_ENV) == "1":
+        from toyllm.grading import sandboxed
+
+        try:
+            ran |= set(sandboxed("toyllm.grading.harness:exercises_ran", clear=True))
+        except Exception:           # a crashed or hung sandbox: its test has said so already
+            pass
+    return ran
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """In the student edition, a failed test also names the other exercises it ran that fail their own tests.
+
+    There no model answer stands in for them (``toyllm.grading.expect.neighbours_note``).
+    """
+    report = yield
+    if answers.EDITION != "student" or report.when not in ("setup", "call"):
+        return report
+    ran = _exercises_ran()                      # after setup: empty, so that the call's record is its own
+    if report.when == "call" and report.failed:
+        from toyllm.grading.expect import neighbours_note
+        from toyllm.grading.plugin import exercise_of
+
+        note = neighbours_note(exercise_of(item), ran)
+        crash = getattr(report.longrepr, "reprcrash", None)
+        if note and crash is not None:
+            crash.message = f"{crash.message}\n{note}"
+            report.longrepr.addsection("other exercises this test ran", note)
+    return report

@@ -12,10 +12,11 @@ docstring promises them (an int is not a float, a tensor is not an int)::
 from __future__ import annotations
 
 import numbers
+import os
 
 import torch
 
-__all__ = ["close", "engine_cause", "equal", "raises", "same_tokens", "tensors_close"]
+__all__ = ["close", "engine_cause", "equal", "neighbours_note", "raises", "same_tokens", "tensors_close"]
 
 
 def _show(x) -> str:
@@ -200,3 +201,65 @@ def engine_cause(trace: list[dict], reference: list[tuple[torch.Tensor, torch.Te
                         f"tokens {_spans(expected)}, so they should be {_spans(expected)} (the position of a key is "
                         "its token's place in the prompt)")
     return ""
+
+
+# --------------------------------------------------------------------------- the student edition: other exercises
+
+NEIGHBOUR_ENV = "TOYLLM_GRADE_NEIGHBOUR"     # set while a neighbour is graded for a note (see ``ran_also``)
+_verdicts: dict[tuple, bool] = {}            # (exercise, implementation, its file's stamp) -> fails its own tests
+_RAN_ALSO = "this test also ran Exercise "
+
+
+def neighbours_note(exercise: str, ran) -> str:
+    """Which of the other exercises a failed test ran fail their own graded tests, as advice; "" if none does.
+
+    In the student edition no model answer stands in for the lesson's other
+    exercises, so a test of ``exercise`` runs the student's own code for
+    every exercise in ``ran`` (``toyllm.answers.ran``). Each of those is
+    graded on its own (once per version of its file), and one that fails
+    is named: "this test also ran your gather_rows (Exercise 8.2), which
+    fails its own tests: fix 8.2 first".
+    """
+    if os.environ.get(NEIGHBOUR_ENV):
+        return ran_also(exercise, ran)
+    from toyllm import answers
+
+    marks = answers.answer_marks()
+    failing = [n for n in sorted(set(ran) - {exercise}) if n in marks and _fails_own_tests(n)]
+    return "; ".join(f"this test also ran your {marks[n].function} (Exercise {n}), which fails its own tests: "
+                     f"fix {n} first" for n in failing)
+
+
+def ran_also(exercise: str, ran) -> str:
+    """While a neighbour is graded for a note: "this test also ran Exercise 8.1", so that a test that failed
+    through another exercise does not count against this one; "" when the test ran no other exercise."""
+    others = sorted(set(ran) - {exercise})
+    return _RAN_ALSO + ", ".join(others) if others else ""
+
+
+def _fails_own_tests(number: str) -> bool:
+    """Whether Exercise ``number`` fails a graded test of its own that ran no other exercise (which may be
+    wrong too: in the student edition nothing stands in for it)."""
+    from toyllm import answers
+
+    from .course import exercise_file, resolve_impl
+    from .grader import GradingError, grade
+    from .impl import current_impl
+
+    try:                          # read by name, never asked of the submission (under the grader it is a proxy)
+        path = exercise_file(resolve_impl(), answers.lesson_module(number))
+        stat = os.stat(path)
+    except (OSError, ValueError):
+        return False
+    key = (number, current_impl(), path, stat.st_mtime_ns, stat.st_size)
+    if key not in _verdicts:
+        os.environ[NEIGHBOUR_ENV] = "1"
+        try:
+            report = grade(current_impl(), only=number)
+            _verdicts[key] = any(t.status not in ("passed", "skipped") and _RAN_ALSO not in t.output
+                                 for t in report.tests)
+        except (GradingError, ValueError):
+            _verdicts[key] = False
+        finally:
+            del os.environ[NEIGHBOUR_ENV]
+    return _verdicts[key]

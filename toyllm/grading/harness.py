@@ -212,6 +212,17 @@ def traced_step(layer, x, pos, comm, attention):
     return out
 
 
+def exercises_ran(clear: bool = False) -> list[str]:
+    """The exercises toyllm's marked functions handed work to in this process (``toyllm.answers.ran``), sorted;
+    ``clear=True`` empties the record after reading it (a new test starts)."""
+    from toyllm import answers
+
+    found = sorted(answers.ran)
+    if clear:
+        answers.ran.clear()
+    return found
+
+
 # --------------------------------------------------------------------------- lesson 08: the paged cache
 
 def paged_run(ops, *, prepare=None, gather=None, block_size: int = 4, n_blocks: int = 32, seed: int = 0) -> dict:
