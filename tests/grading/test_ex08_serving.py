@@ -19,7 +19,7 @@ from toyllm import DynamicKVCache, build_model
 from toyllm.grading import sandboxed
 from toyllm.grading.expect import equal, raises, tensors_close
 from toyllm.grading.sandbox import SubmissionCrash, SubmissionTimeout
-from toyllm.grading.references import reference
+from toyllm.grading.references import NotStored, reference
 from toyllm.paged import BlockPool
 
 LOGIT_ATOL = 1e-5       # float32 logits of the tiny model; the paged and the dynamic cache hold the same rows
@@ -66,7 +66,10 @@ def gather_cause(gather_rows) -> str:
         got = gather_rows(store, table, 1, length)
     except Exception as e:
         return f"{call} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    want = gathered_one_by_one(store, table, 1, length)
+    try:
+        want = gathered_one_by_one(store, table, 1, length)
+    except NotStored:                   # the student edition stores the values of the checked cases only
+        return ""
     if not isinstance(got, torch.Tensor):
         return f"{call} returned {type(got).__name__}, not a tensor"
     if got.dim() == 4 and got.shape[-2] != length:

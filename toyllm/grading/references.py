@@ -46,7 +46,6 @@ RECORD_ENV = "TOYLLM_RECORD_EXPECTED"      # a folder: record every reference's 
 EDITION_SEED = 2024                        # TOYLLM_GRADE_SEED of the student edition's drawn cases
 EXPECTED_DIR = Path("tests") / "grading" / "expected"
 _TEST_FILE = re.compile(r"test_(ex\d\d)_\w+\.py$")
-_IMPORT = "from toyllm.grading.references import reference\n"
 
 
 # --------------------------------------------------------------------------- the key of a case
@@ -187,17 +186,21 @@ def pytest_collection_modifyitems(config, items):
 _TABLES: dict[str, dict] = {}
 
 
+class NotStored(AssertionError):
+    """The student edition has no stored value for a reference's arguments: the test fails with this message."""
+
+
 def stored(lesson: str, name: str, arguments: dict):
     """The value reference ``name`` of lesson ``lesson`` returned for ``arguments``, from the stored table."""
     if lesson not in _TABLES:
         path = course_root() / EXPECTED_DIR / f"{lesson}.pt"
         if not path.is_file():
-            raise AssertionError(f"no stored expected values for lesson {lesson}: {path} is missing")
+            raise NotStored(f"no stored expected values for lesson {lesson}: {path} is missing")
         _TABLES[lesson] = torch.load(path, weights_only=True)
     key = f"{name}:{argument_key(dict(arguments))}"
     if key not in _TABLES[lesson]:
         seed = os.environ.get("TOYLLM_GRADE_SEED", "").strip()
-        raise AssertionError(f"no stored expected value for this case of {name}: this edition stores the visible "
+        raise NotStored(f"no stored expected value for this case of {name}: this edition stores the visible "
                              f"cases (drawn ones with TOYLLM_GRADE_SEED={EDITION_SEED}"
                              f"{f', not {seed}' if seed and seed != str(EDITION_SEED) else ''}); "
                              "the instructor's grader checks the others")
@@ -215,17 +218,20 @@ def _reference_functions(tree: ast.Module) -> list[ast.FunctionDef]:
 
 def without_reference_bodies(source: str, lesson: str) -> str:
     """``source`` of a graded test file with every ``@reference`` function's body replaced by a lookup."""
-    functions = _reference_functions(ast.parse(source))
+    tree = ast.parse(source)
+    functions = _reference_functions(tree)
     if not functions:
         return source
-    if _IMPORT not in source:
-        raise ValueError(f"test_{lesson}: references are marked with {_IMPORT.strip()!r}; import it so")
+    imports = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == __name__]
+    if not imports:
+        raise ValueError(f"test_{lesson}: a reference is marked with @reference, imported from {__name__}")
     lines = source.splitlines(keepends=True)
-    for fn in sorted(functions, key=lambda n: n.lineno, reverse=True):       # bottom up: line numbers hold
-        first, last = fn.body[0].lineno, fn.end_lineno
-        indent = " " * fn.body[0].col_offset
-        lines[first - 1:last] = [f"{indent}return stored({lesson!r}, {fn.name!r}, locals())\n"]
-    return "".join(lines).replace(_IMPORT, _IMPORT.rstrip("\n") + ", stored\n", 1)
+    edits = [(fn.body[0].lineno, fn.end_lineno,
+              f"{' ' * fn.body[0].col_offset}return stored({lesson!r}, {fn.name!r}, locals())\n") for fn in functions]
+    edits.append((imports[0].end_lineno + 1, imports[0].end_lineno, f"from {__name__} import stored\n"))
+    for first, last, text in sorted(edits, reverse=True):           # bottom up: the line numbers above hold
+        lines[first - 1:last] = [text]
+    return "".join(lines)
 
 
 def write_expected_values(out: Path, root: Path, timeout_s: float = 600) -> list[str]:
