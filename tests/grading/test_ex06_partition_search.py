@@ -6,8 +6,9 @@ The searches run against cost functions whose best partition is known
 toyllm's simulator, with a limit on the distinct partitions they may try,
 so that trying every partition does not pass as a search. References live
 here: brute force over the same cost function, the rounding and the least
-squares written out below. Cost functions cross to the submission as
-``functools.partial`` of module-level functions.
+squares written out below. A cost function (a ``functools.partial`` holding
+the expected answer) stays in the grader: the submission gets
+``harness.Counted(cost)``, which counts every evaluation where it is made.
 """
 import functools
 import itertools
@@ -16,7 +17,6 @@ import math
 import numpy as np
 import pytest
 
-from toyllm.grading import sandboxed
 from toyllm.grading import harness
 from toyllm.grading.expect import close, equal, raises
 from toyllm.grading.references import reference
@@ -30,8 +30,8 @@ CPU_LIKE = CostModel(qkv_s_per_token=4e-6, mlp_s_per_token=8e-6, attn_s_per_dot=
 
 def run_search(fn, cost, *args, **kwargs):
     """(the search's answer, the distinct partitions it asked the cost of)."""
-    out = sandboxed("toyllm.grading.harness:counted", fn, cost, *args, **kwargs)
-    return out["value"], {tuple(c) for c in out["calls"]}
+    counted = harness.Counted(cost)
+    return fn(counted, *args, **kwargs), {tuple(c) for c in counted.calls}
 
 
 def check_chunks(got, context: int, p: int, call: str) -> None:
@@ -91,9 +91,9 @@ def test_ex6_1_only_multiples_of_min_stride(ex06):
         outside = sorted(c[0] for c in tried if not 0 < c[0] < context)
         assert not outside, (f"{call}: asked the cost of boundaries {outside[:5]}, which leave a process no token "
                              f"(b must lie strictly between 0 and {context})")
-    raises(ValueError, ex06.search_boundary, functools.partial(harness.kink_cost, best=1), 1,
+    raises(ValueError, ex06.search_boundary, harness.Counted(functools.partial(harness.kink_cost, best=1)), 1,
            call="search_boundary(cost, context=1)", why="two processes need 2 tokens")
-    raises(ValueError, ex06.search_boundary, functools.partial(harness.kink_cost, best=1), 100, min_stride=0,
+    raises(ValueError, ex06.search_boundary, harness.Counted(functools.partial(harness.kink_cost, best=1)), 100, min_stride=0,
            call="search_boundary(cost, 100, min_stride=0)", why="min_stride must be at least 1")
 
 
@@ -138,6 +138,7 @@ def test_ex6_2_four_processes_and_span_one(ex06):
     # span=1: 3 values per boundary and level; the optimum's boundaries are -15 = -(8 + 4 + 2 + 1) and
     # +13 = 8 + 4 + 1 tokens from the even split's, so every level, the one at stride 1 too, has to move them
     cost, _, _ = grid_search_finds(ex06, [235, 278, 237, 250], 1000, 8, most=4 * 27, span=1)   # 4 levels of 27
+    cost = harness.Counted(cost)
     # 3 processes do not divide 1001 tokens: the even split's boundaries are j * 1001 // 3 = 333, 667, not
     # j * (1001 // 3) = 333, 666; one level at stride 16 reaches only the lattice around the start
     grid_search_finds(ex06, [333, 334, 334], 1001, 16, most=25, min_stride=16)

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from toyllm.grading import harness, sandboxed
+from toyllm.grading import harness
 from toyllm.grading.expect import close, equal, raises
 from toyllm.grading.references import reference
 from toyllm.model import get_config
@@ -160,8 +160,8 @@ def test_ex7_3_random_and_drawn_cases(ex07, drawn):
 # --------------------------------------------------------------------------- 7.4
 
 def run_break_even(ex07, speedup, lo, hi):
-    out = sandboxed("toyllm.grading.harness:counted", ex07.break_even_context, speedup, lo, hi)
-    return out["value"], set(out["calls"])
+    counted = harness.Counted(speedup)
+    return ex07.break_even_context(counted, lo, hi), set(counted.calls)
 
 
 @pytest.mark.exercise("7.4")
@@ -188,7 +188,7 @@ def test_ex7_4_none_lo_and_bad_input(ex07):
     equal(got, None, "break_even_context(speedup reaching 1 at 5000 tokens, lo=1, hi=4999) (never pays)")
     got, _ = run_break_even(ex07, functools.partial(harness.step_speedup, crossing=50), 64, 1000)
     equal(got, 64, "break_even_context(speedup reaching 1 at 50 tokens, lo=64, hi=1000) (pays from lo on)")
-    speedup = functools.partial(harness.step_speedup, crossing=50)
+    speedup = harness.Counted(functools.partial(harness.step_speedup, crossing=50))
     raises(ValueError, ex07.break_even_context, speedup, 0, 10, call="break_even_context(speedup, lo=0, hi=10)",
            why="lo must be at least 1")
     raises(ValueError, ex07.break_even_context, speedup, 20, 10, call="break_even_context(speedup, lo=20, hi=10)",

@@ -17,13 +17,19 @@ cannot see: ``parallel_prefill`` runs a submitted step in the engine's
 worker processes through ``guarded_step``, which applies ``guard``'s rules
 to every call (toyllm's own answers and shortcuts are off limits, however
 they are reached) and checks that toyllm's code was not changed.
+
+The exception is what must not run next to the submission: the cost a
+graded search of lessons 06-07 is given holds the expected answer, so the
+graded test hands the search ``Counted(cost)``, which is evaluated, counted
+and capped in the grader's process; the sandbox gets a stub that asks for
+each value over its socket (``server``).
 """
 from __future__ import annotations
 
 import inspect
 import json
+import operator
 import os
-import threading
 
 import torch
 
@@ -296,83 +302,88 @@ def serve_run(workload, policy: str, *, plan=None, max_batch: int, token_budget:
 
 # --------------------------------------------------------------------------- lessons 06-07: searches
 
-class _Evaluations:
-    """Where every evaluation of a grading cost is recorded, at its source, while ``counted`` runs.
+MAX_EVALUATIONS = 10_000         # evaluations one search may ask for; the graded searches need at most a few hundred
+MAX_PARTITION = 64               # chunks in a partition a grading cost accepts
+MAX_TOKENS = 2**31               # the largest |value| of a context or a chunk, in tokens
 
-    The cost functions below (``bowl_cost``, ``kink_cost``, ``simulated_ttft``, ...) record their own
-    argument, so a search that reaches the cost behind the one it was given, however it gets there, is
-    counted all the same. One instance, bound in this module, so that rebinding it is caught as
-    tampering with toyllm's code; calling it records one argument.
+
+class TooManyEvaluations(AssertionError):
+    """A graded search asked for the cost more often than ``Counted``'s limit allows."""
+
+
+def cost_argument(x):
+    """``x`` as a grading cost takes it: a context (an int) or a partition (a list of at most 64 ints), in tokens.
+
+    Anything with ``__index__`` (a NumPy integer) counts as an int. Raises TypeError, saying what is allowed.
+    """
+    try:
+        if isinstance(x, (list, tuple)) and len(x) <= MAX_PARTITION:
+            value = [operator.index(c) for c in x]
+            if all(abs(c) < MAX_TOKENS for c in value):
+                return value
+        elif not isinstance(x, (list, tuple)):
+            value = operator.index(x)
+            if abs(value) < MAX_TOKENS:
+                return value
+    except TypeError:
+        pass
+    shown = repr(x) if len(repr(x)) <= 60 else repr(x)[:57] + "..."
+    raise TypeError(f"the cost takes a context (an int) or a partition (a list of at most {MAX_PARTITION} ints), "
+                    f"each below {MAX_TOKENS} in size; got {shown}")
+
+
+def trusted_cost(fn):
+    """Mark a cost function of this module: it, or a partial of it, holds the expected answer of a graded search,
+    so ``wire`` refuses to send it to the sandbox (hand the submission ``Counted(cost)`` instead)."""
+    fn.stays_trusted = True
+    return fn
+
+
+class Counted:
+    """The cost function a graded search is given; evaluated, counted and capped where the graded test runs.
+
+    Under the grader the search runs in the sandbox, where it gets a stub (``server``) that asks this object
+    for each value over the sandbox's socket while the grader waits for the call's reply (``sandbox``):
+    ``cost``, which holds the expected answer, never leaves the grader's process, and nothing in the sandbox
+    can see it or stop the count. In a plain pytest run the search calls this object itself.
+
+    calls: the argument of every evaluation, in order (``cost_argument``: an int or a list of ints).
+    limit: evaluations allowed; one more raises ``TooManyEvaluations`` (under the grader the call is stopped).
     """
 
-    def __init__(self):
-        self.calls: list | None = None          # None: no counted run is in progress
-        self.cost = None
-        self.through = threading.local()        # set while CountedCost itself is evaluating (already logged)
+    def __init__(self, cost, limit: int = MAX_EVALUATIONS):
+        self.cost, self.limit = cost, limit
+        self.calls: list = []
 
-    def __call__(self, x) -> None:
-        if self.calls is not None and not getattr(self.through, "active", False):
-            self.calls.append(_argument(x))
+    def __call__(self, x) -> float:
+        x = cost_argument(x)
+        if len(self.calls) >= self.limit:
+            raise TooManyEvaluations(f"the search asked for the cost more than {self.limit} times; "
+                                     f"a search needs far fewer evaluations")
+        self.calls.append(x)
+        return float(self.cost(x))
 
-    def __reduce__(self):
-        raise TypeError("the grader's evaluation log cannot be copied")
-
-
-_evaluations = _Evaluations()
-
-
-def _argument(x):
-    return list(x) if isinstance(x, (list, tuple)) else x
-
-
-class CountedCost:
-    """The cost function a graded search is given: evaluates the grader's cost and records the argument.
-
-    It holds no reference to that cost (no closure, ``__wrapped__`` or attributes), cannot be pickled
-    into another process, and the costs record themselves as well (``_Evaluations``).
-    """
-
-    __slots__ = ()
-
-    def __call__(self, x):
-        log = _evaluations
-        if log.calls is None:
-            raise RuntimeError("this cost function is only valid during the search it was given to")
-        log.calls.append(_argument(x))
-        log.through.active = True
+    def answer(self, x) -> dict:
+        """The reply to the sandbox's request for ``cost(x)``: {"ok": True, "value": float} or the error
+        (type and message) for the stub to raise. ``TooManyEvaluations`` is raised here, in the grader."""
         try:
-            return log.cost(x)
-        finally:
-            log.through.active = False
+            return {"ok": True, "value": self(x)}
+        except TooManyEvaluations:
+            raise
+        except Exception as e:          # the search asked for a value the cost cannot give: its error to handle
+            return {"ok": False, "type": type(e).__name__, "message": str(e)[:1000]}
 
-    def __reduce__(self):
-        raise TypeError("the cost function cannot be sent to another process: call it here")
+    def _toyllm_remote_ref(self):
+        """How it crosses to the sandbox (``wire``): a callback number, never its contents."""
+        return ("callback", id(self))
 
     def __repr__(self) -> str:
         return "<the grader's cost function>"
 
 
-def counted(fn, cost, *args, **kwargs) -> dict:
-    """Call ``fn(counted_cost, *args, **kwargs)``; return {"value": fn's value, "calls": [argument of each evaluation]}.
-
-    The graded test counts the distinct arguments, so a search that tries
-    every partition cannot pass as a search. ``fn`` gets a ``CountedCost``,
-    which does not expose ``cost``; and the cost functions of this module
-    record every evaluation themselves, however they are reached.
-    """
-    log = _evaluations
-    calls: list = []
-    log.calls, log.cost = calls, cost
-    try:
-        value = fn(CountedCost(), *args, **kwargs)
-    finally:
-        log.calls, log.cost = None, None
-    return {"value": value, "calls": list(calls)}
-
-
+@trusted_cost
 def bowl_cost(chunks, optimum) -> float:
     """A cost with a known best partition: 1 + the squared distance of the boundaries from ``optimum``'s."""
-    _evaluations(chunks)
     b = c = 0
     total = 1.0
     for got, best in zip(chunks[:-1], optimum[:-1]):
@@ -381,33 +392,33 @@ def bowl_cost(chunks, optimum) -> float:
     return total
 
 
+@trusted_cost
 def kink_cost(chunks, best: int, left: float = 3.0, right: float = 1.0) -> float:
     """A two-process cost shaped like TTFT = max(rank 0's time, rank 1's): lowest at c_0 == ``best``."""
-    _evaluations(chunks)
     b = chunks[0]
     return 1.0 + max(left * (b - best), right * (best - b)) / 1000.0
 
 
+@trusted_cost
 def simulated_ttft(chunks, cfg, cost_model, method: str = "kvr") -> float:
     """``toyllm.simulate.simulate_prefill``'s TTFT (seconds) of ``chunks``, as a cost for the searches."""
     from toyllm.simulate import simulate_prefill
 
-    _evaluations(chunks)
     return simulate_prefill(cfg, list(chunks), method, cost_model, record_events=False).ttft_s
 
 
+@trusted_cost
 def step_speedup(context: int, crossing: int) -> float:
     """A speedup that reaches 1 exactly at ``crossing`` tokens and grows with the context."""
-    _evaluations(context)
     return 0.5 + 0.5 * context / crossing
 
 
+@trusted_cost
 def simulated_speedup(context: int, cfg, cost_model, world_size: int) -> float:
     """Simulated one-process TTFT over KVR's with an even split: the speedup of parallel prefill."""
     from toyllm.partition import even_partition
     from toyllm.simulate import simulate_prefill
 
-    _evaluations(context)
     single = simulate_prefill(cfg, [context], "single", cost_model, record_events=False).ttft_s
     kvr = simulate_prefill(cfg, even_partition(context, world_size), "kvr", cost_model, record_events=False).ttft_s
     return single / kvr

@@ -312,19 +312,26 @@ class Sandbox:
             if printed:
                 sys.stdout.write(printed.decode(errors="replace"))
 
-    def _request(self, message: dict, what: str) -> dict:
+    def _request(self, message: dict, what: str, callbacks=None) -> dict:
         if self.proc is not None and self.exercise != context.exercise:
             self.kill()                # it holds the model answer of the exercise now graded: start afresh
         if self.proc is None:
             self._start()
-        return self._request_started(message, what)
+        return self._request_started(message, what, callbacks)
 
-    def _request_started(self, message: dict, what: str) -> dict:
+    def _request_started(self, message: dict, what: str, callbacks=None) -> dict:
+        """Send ``message``; answer the sandbox's requests for the values of ``callbacks`` ({number: Counted})
+        until its reply comes, all within the test's time."""
         timeout_s = _time_left()       # what is left once the sandbox is up
+        deadline = time.monotonic() + timeout_s
         try:
             self.sock.settimeout(timeout_s)
             wire.send(self.sock, wire.to_sandbox(message))
-            reply = wire.from_sandbox(wire.recv(self.sock))
+            reply = wire.from_sandbox(wire.recv_reply(self.sock))
+            while isinstance(reply, dict) and "callback" in reply:
+                self.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                wire.send(self.sock, wire.to_sandbox(_answer_callback(reply, callbacks or {})))
+                reply = wire.from_sandbox(wire.recv_reply(self.sock))
             self.relay_output()
             return reply
         except socket.timeout:
@@ -361,9 +368,12 @@ class Sandbox:
         return reply["value"]
 
     def call(self, target: tuple, args: tuple, kwargs: dict, what: str):
+        from .harness import Counted
+
         message = {"op": "call", "target": target, "args": args, "kwargs": kwargs,
                    "exercise": context.exercise, "forbidden": list(context.forbidden)}
-        reply = self._request(message, what)
+        callbacks = {id(a): a for a in (*args, *kwargs.values()) if isinstance(a, Counted)}   # costs stay here
+        reply = self._request(message, what, callbacks)
         for violation in reply.get("violations", ()):
             if context.on_violation is not None:
                 context.on_violation(context.exercise, violation)
@@ -386,6 +396,16 @@ def _children():
 def _become_subreaper() -> None:
     """Orphaned descendants come back to this process instead of init, so they can be ended."""
     become_subreaper()
+
+
+def _answer_callback(request: dict, callbacks: dict) -> dict:
+    """The reply to the sandbox asking for the value of a grading cost given to the call now running."""
+    number = request.get("callback")
+    cost = callbacks.get(number) if type(number) is int else None
+    if cost is None:
+        return {"ok": False, "type": "RuntimeError",
+                "message": "the grader's cost function is only valid during the call it was given to"}
+    return cost.answer(request.get("arg"))
 
 
 def _rebuild_error(error: dict) -> Exception:

@@ -16,16 +16,27 @@ answers one request at a time:
   the independence rule, or any change the submission made to toyllm's own
   code (``guard.tampered``; recorded before the first submitted line runs).
 
+While a call runs, the sandbox may ask the grader for the value of a
+grading cost the call was given (``harness.Counted``, which crossed as
+``("callback", number)``): it sends ``{"callback": number, "arg": the
+argument}`` and waits for ``{"ok": True, "value": v}`` or the error to
+raise, before the call's own reply. The cost, with its expected answer,
+stays in the grader, which counts every evaluation; the sandbox only holds
+a stub (``_TrustedCost``) that is dead once its call is over.
+
 Nothing here is trusted by the grader: every reply is read with
 ``wire.from_sandbox``, which only rebuilds plain data.
 """
 from __future__ import annotations
 
 import builtins
+import functools
 import importlib
+import itertools
 import os
 import socket
 import sys
+import threading
 import traceback
 
 from ..supervise import die_with_parent
@@ -47,6 +58,32 @@ def _error(exc: BaseException, files) -> dict:
     return {"type": type(exc).__name__, "builtin": builtin, "message": message, "where": where}
 
 
+class _TrustedCost:
+    """What a submitted search holds for the grader's cost (``harness.Counted``): each call asks the grader."""
+
+    __slots__ = ("_ask",)
+
+    def __init__(self, ask):
+        self._ask = ask
+
+    def __call__(self, x):
+        return self._ask(x)
+
+    def __reduce__(self):
+        raise TypeError("the grader's cost function cannot be sent to another process: call it here")
+
+    def __repr__(self) -> str:
+        return "<the grader's cost function>"
+
+
+def _raise_answer(answer: dict):
+    """Raise the error the grader's cost gave, as the built-in exception it was (else RuntimeError)."""
+    cls = getattr(builtins, str(answer.get("type")), None)
+    if not (isinstance(cls, type) and issubclass(cls, Exception)):
+        cls = RuntimeError
+    raise cls(str(answer.get("message", "")))
+
+
 # What the harness runs: imported before any submitted code, so their state is the framework's own.
 FRAMEWORK_MODULES = ("toyllm.grading.harness", "toyllm.launch", "toyllm.parallel", "toyllm.simulate",
                      "toyllm.partition", "toyllm.generation", "toyllm.analysis", "toyllm.attention", "toyllm.model",
@@ -57,6 +94,7 @@ def main(fd: int, reference_dir: str) -> None:
     import torch
 
     from . import guard, wire
+    from .harness import cost_argument
     from .impl import exercise_file, load_exercise, resolve_impl
 
     for name in FRAMEWORK_MODULES:
@@ -72,7 +110,24 @@ def main(fd: int, reference_dir: str) -> None:
     def submission_files():
         return {m.__file__ for m in modules.values()}
 
+    serials = itertools.count()
+    serving = {"call": None}            # the number of the request being served: a cost stub works only during it
+    channel = threading.Lock()          # one frame at a time on the socket, whichever thread asks
+
+    def ask(call: int, number: int, x):
+        if serving["call"] != call:
+            raise RuntimeError("the grader's cost function is only valid during the call it was given to")
+        x = cost_argument(x)
+        with channel:
+            wire.send(sock, wire.to_grader({"callback": number, "arg": x}))
+            answer = wire.from_grader(wire.recv(sock), resolve)
+        if not answer.get("ok"):
+            _raise_answer(answer)
+        return answer["value"]
+
     def resolve(ref):
+        if len(ref) == 2 and ref[0] == "callback" and type(ref[1]) is int:
+            return _TrustedCost(functools.partial(ask, serving["call"], ref[1]))
         kind, module, name = ref
         if kind != "exercise" or module not in modules:
             raise ValueError(f"unknown function reference {ref!r}")
@@ -87,6 +142,7 @@ def main(fd: int, reference_dir: str) -> None:
         return references[module]
 
     while True:
+        serving["call"] = next(serials)
         try:
             request = wire.from_grader(wire.recv(sock), resolve)
         except ConnectionError:
@@ -149,7 +205,9 @@ def main(fd: int, reference_dir: str) -> None:
             payload = wire.to_grader({"ok": False, "error": _error(e, ())})
         sys.stdout.flush()
         sys.stderr.flush()
-        wire.send(sock, payload)
+        with channel:
+            serving["call"] = None
+            wire.send(sock, payload)
 
 
 def serve() -> None:
