@@ -41,7 +41,8 @@ from .stubs import HINT_LEVELS, make_stub
 # and the diagnostics' test carries answer lines of 4.2 and 5.1).
 INSTRUCTOR_ONLY = ("solutions/", "tests/fixtures/submissions/", "tests/test_grader.py", "tests/test_grading_04_05.py",
                    "tests/test_student_edition.py", "tests/test_checking_again.py", "tests/test_step_diagnostics.py",
-                   "tests/test_stored_expected.py", "tests/test_grader_reading.py", "docs/grading.md")
+                   "tests/test_stored_expected.py", "tests/test_grader_reading.py", "tests/test_messages.py",
+                   "docs/grading.md")
 
 _BEGIN = re.compile(r"^[ \t]*# BEGIN SOLUTION (\d+\.\d+)")
 _END = re.compile(r"^[ \t]*# END SOLUTION\s*$")

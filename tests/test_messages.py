@@ -1,0 +1,141 @@
+"""Failure messages name the cause: wrong submissions get the words that say what to fix.
+
+Each case edits the model answer into a typical mistake and checks the message it gets:
+the engine exercises name the first rank and layer whose keys, values or positions differ
+from one process; 8.2 without the cut at ``length`` is told so; ``prefill --check``
+fails a wrong step; and in the student edition, where no model answer stands in for the
+other exercises, a test that failed through another exercise names it.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+import pytest
+from test_grader import _graded_conftest, _run_exercise, _variant
+
+from toyllm import answers
+from toyllm.grading import harness, load_exercise, sandbox
+from toyllm.grading.sandbox import LocalModule
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# One line of 5.1's model answer, and what a mistake makes of it.
+PREFIX = "k, v = torch.cat([prefix[0], k], dim=-2), torch.cat([prefix[1], v], dim=-2)"
+PREFIX_AFTER = "k, v = torch.cat([k, prefix[0]], dim=-2), torch.cat([v, prefix[1]], dim=-2)"
+# 5.1's positions line, with the lines that make it 5.1's and not 5.2's (the same line is in both).
+POSITIONS = "k_pos = torch.arange(k.shape[-2], device=x.device)\n    out = layer.attend(q, k, v, pos.q_pos, k_pos, attention)\n    return layer.finish(x, out), k, v\n    # END SOLUTION\n\n\ndef kvr_layer("
+POSITIONS_FROM_START = POSITIONS.replace("torch.arange(k.shape[-2], device=x.device)",
+                                         "torch.arange(pos.start, pos.start + k.shape[-2], device=x.device)")
+NO_CUT = "reshape(hkv, n * block_size, d)[:, :length].unsqueeze(0)"
+CUT_MISSING = "reshape(hkv, n * block_size, d).unsqueeze(0)"
+
+
+def engine_failure(impl: Path, exercise: str, function: str, chunks: list[int]) -> str:
+    """The message of the graded engine check (``engine_run``) of ``impl``'s step on ``chunks``, in this process."""
+    fixtures = _graded_conftest()
+    module = LocalModule(load_exercise("ex05", impl=impl), load_exercise("ex05", impl="solutions"))
+    sandbox.context.exercise, sandbox.context.forbidden = exercise, tuple(answers.forbidden(exercise))
+    try:
+        with pytest.raises(pytest.fail.Exception) as failed:
+            fixtures.make_engine_run()(getattr(module, function), exercise, "kvr", len(chunks), chunks, seed=3)
+    finally:
+        sandbox.context.exercise, sandbox.context.forbidden = None, ()
+        harness.close_pools()
+    return str(failed.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_prefix_after_the_ranks_own_keys_is_named(tmp_path):
+    why = engine_failure(_variant(tmp_path, "5.1", PREFIX, PREFIX_AFTER), "5.1", "kvr_layer_blocking", [5, 7])
+    assert "first-token logits differ" in why, why
+    assert ("rank 1, layer 0: of the 12 keys it attended over, rows 0-6 hold its own tokens 5-11, rows 7-11 hold "
+            "rank 0's tokens 0-4; it should attend over tokens 0-11 in order; the prefix from ranks before it "
+            "(tokens 0-4) should come first") in why, why
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_key_positions_that_start_at_the_ranks_first_token_are_named(tmp_path):
+    why = engine_failure(_variant(tmp_path, "5.1", POSITIONS, POSITIONS_FROM_START), "5.1", "kvr_layer_blocking",
+                         [5, 7])
+    assert ("rank 1, layer 0: the key positions given to attend are 5-16; its keys are tokens 0-11, so they should "
+            "be 0-11") in why, why
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_gather_rows_without_the_cut_is_told_to_cut(tmp_path):
+    outcomes = _run_exercise(_variant(tmp_path, "8.2", NO_CUT, CUT_MISSING), "8.2")
+    order = outcomes["test_ex8_2_rows_in_token_order"]
+    assert "got (1, 2, 12, 5) torch.float32: the last block is returned whole; the sequence holds only 10 tokens, " \
+           "so the rows after row 9 (not yet written) must be cut" in order, order
+    model = outcomes["test_ex8_2_the_model_attends_over_the_blocks"]
+    assert "returned 8 rows instead of 6: the last block is returned whole" in model, model
+
+
+def prefill_check(answers_dir: Path | None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TOYLLM_FAST": "1"}
+    if answers_dir is not None:
+        env["TOYLLM_ANSWERS"] = str(answers_dir)            # the engine's KVR step is this folder's 5.2
+    return subprocess.run([sys.executable, "-m", "toyllm", "prefill", "--method", "kvr", "--world-size", "2",
+                           "--context", "12", "--repeat", "1", "--check"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_prefill_check_fails_a_wrong_step_and_passes_the_right_one(tmp_path):
+    for answer in (ROOT / "solutions").glob("ex*.py"):          # the engine's attention is 2.1 from here too
+        (tmp_path / answer.name).write_text(answer.read_text())
+    wrong = (ROOT / "solutions" / "ex05_kv_runahead.py").read_text()
+    old = "k, v = torch.cat([k_prev, k], dim=-2), torch.cat([v_prev, v], dim=-2)"
+    assert wrong.count(old) == 1, "the model answer of 5.2 changed"
+    (tmp_path / "ex05_kv_runahead.py").write_text(wrong.replace(old, old.replace("[k_prev, k]", "[k, k_prev]")
+                                                                    .replace("[v_prev, v]", "[v, v_prev]")))
+    bad = prefill_check(tmp_path)
+    assert bad.returncode == 1, (bad.returncode, bad.stdout, bad.stderr)
+    assert "allowed 1.00e-04" in bad.stdout and "DIFFERS from one process" in bad.stdout, bad.stdout
+    good = prefill_check(None)
+    assert good.returncode == 0 and "agrees with one process" in good.stdout, (good.stdout, good.stderr)
+
+
+# --------------------------------------------------------------------------- the student edition
+
+AS_EDITION = "from toyllm import answers\nanswers.EDITION = \"student\"\n"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_in_the_edition_a_test_that_failed_through_8_2_names_it(tmp_path):
+    """Model answers but a wrong 8.2, in a course without solutions/ and with the edition's switch: every test
+    outside 8.2 that fails names 8.2 (and only 8.2)."""
+    impl = tmp_path / "impl"
+    impl.mkdir()
+    _variant(impl, "8.2", NO_CUT, CUT_MISSING)
+    for other in (ROOT / "solutions").glob("ex*.py"):
+        if not (impl / other.name).exists():
+            (impl / other.name).write_text(other.read_text())
+    course = tmp_path / "course"
+    (course / "tests").mkdir(parents=True)
+    (course / "exercises").symlink_to(impl)
+    (course / "tests" / "grading").symlink_to(ROOT / "tests" / "grading")
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "as_edition.py").write_text(AS_EDITION)
+    report = tmp_path / "report.xml"
+    env = {**os.environ, "TOYLLM_COURSE_DIR": str(course), "TOYLLM_IMPL": str(impl), "TOYLLM_FAST": "1",
+           "PYTHONPATH": str(plugins), "PYTEST_ADDOPTS": "-p as_edition"}   # the grading of 8.2 for the note too
+    run = subprocess.run([sys.executable, "-m", "pytest", str(ROOT / "tests" / "grading" / "test_ex08_serving.py"),
+                          "-q", "-p", "no:cacheprovider", "-k", "ex8_1 or ex8_3", f"--junitxml={report}"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=560)
+    failures = {case.get("name"): case.find("failure").get("message")
+                for case in ElementTree.parse(report).iter("testcase") if case.find("failure") is not None}
+    assert failures, run.stdout[-3000:]
+    note = "this test also ran your gather_rows (Exercise 8.2), which fails its own tests: fix 8.2 first"
+    for name, message in failures.items():
+        assert note in message and "Exercise 8.1)" not in message, (name, message)
