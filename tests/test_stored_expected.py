@@ -102,13 +102,19 @@ def test_a_case_the_edition_did_not_store_fails_and_says_why(filled):
     assert "TOYLLM_GRADE_SEED=" in run.stdout and "the instructor's grader checks the others" in run.stdout
 
 
+def doubled(chunks):
+    return [c * 2 for c in chunks]
+
+
 def test_this_edition_computes_every_reference_live(monkeypatch):
     monkeypatch.delenv(references.RECORD_ENV, raising=False)
+    assert references.reference(doubled) is doubled
 
-    def counts(chunks):
-        return [c * 2 for c in chunks]
+    def nested(chunks):
+        return chunks
 
-    assert references.reference(counts) is counts
+    with pytest.raises(ValueError, match="module-level functions"):
+        references.reference(nested)
 
 
 def test_argument_keys_follow_the_values_exactly():
@@ -120,3 +126,33 @@ def test_argument_keys_follow_the_values_exactly():
     assert key(build_model("tiny", seed=0)) == key(build_model("tiny", seed=0)) != key(build_model("tiny", seed=1))
     with pytest.raises(TypeError, match="has no canonical form"):
         key(object())
+
+
+def test_the_builder_keeps_the_signature_and_replaces_only_the_bodies():
+    source = '''"""Graded tests of lesson 09."""
+from toyllm.grading.references import (
+    reference,
+)
+from toyllm.grading.expect import equal
+
+
+@reference
+def twice(chunks, scale=2):
+    """The answer, written out."""
+    total = 0
+    for c in chunks:
+        total += scale * c
+    return total
+
+
+def helper(x):
+    return x + 1
+'''
+    out = references.without_reference_bodies(source, "ex09")
+    assert '"""The answer, written out."""' not in out and "total" not in out
+    assert "def twice(chunks, scale=2):\n    return stored('ex09', 'twice', locals())\n" in out
+    assert ")\nfrom toyllm.grading.references import stored\nfrom toyllm.grading.expect import equal\n" in out
+    assert "def helper(x):\n    return x + 1\n" in out
+    with pytest.raises(ValueError, match="imported from toyllm.grading.references"):
+        references.without_reference_bodies(source.replace("reference,", "other,").replace(
+            "from toyllm.grading.references import", "from somewhere import"), "ex09")

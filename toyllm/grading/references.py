@@ -40,10 +40,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .course import course_root
+from .course import COURSE_ENV, course_root
 
 RECORD_ENV = "TOYLLM_RECORD_EXPECTED"      # a folder: record every reference's value there (the builder sets it)
-EDITION_SEED = 2024                        # TOYLLM_GRADE_SEED of the student edition's drawn cases
+SEED_ENV = "TOYLLM_GRADE_SEED"             # the seed of the graded tests' drawn cases (tests/grading/conftest.py)
+EDITION_SEED = 2024                        # the student edition's seed: the drawn cases it stores values for
 EXPECTED_DIR = Path("tests") / "grading" / "expected"
 _TEST_FILE = re.compile(r"test_(ex\d\d)_\w+\.py$")
 
@@ -139,6 +140,8 @@ def reference(fn):
     Unchanged in this edition; with ``$TOYLLM_RECORD_EXPECTED`` set, each value it returns is also stored
     for the student edition, which keeps the values instead of the function.
     """
+    if fn.__qualname__ != fn.__name__:
+        raise ValueError(f"@reference marks module-level functions of a graded test file, not {fn.__qualname__}")
     folder = os.environ.get(RECORD_ENV)
     if not folder:
         return fn
@@ -199,11 +202,11 @@ def stored(lesson: str, name: str, arguments: dict):
         _TABLES[lesson] = torch.load(path, weights_only=True)
     key = f"{name}:{argument_key(dict(arguments))}"
     if key not in _TABLES[lesson]:
-        seed = os.environ.get("TOYLLM_GRADE_SEED", "").strip()
+        seed = os.environ.get(SEED_ENV, "").strip()
         raise NotStored(f"no stored expected value for this case of {name}: this edition stores the visible "
-                             f"cases (drawn ones with TOYLLM_GRADE_SEED={EDITION_SEED}"
-                             f"{f', not {seed}' if seed and seed != str(EDITION_SEED) else ''}); "
-                             "the instructor's grader checks the others")
+                        f"cases (drawn ones with {SEED_ENV}={EDITION_SEED}"
+                        f"{f', not {seed}' if seed and seed != str(EDITION_SEED) else ''}); "
+                        "the instructor's grader checks the others")
     return _TABLES[lesson][key]
 
 
@@ -246,8 +249,8 @@ def write_expected_values(out: Path, root: Path, timeout_s: float = 600) -> list
     tests = [path.relative_to(out) for path in sorted((out / "tests" / "grading").glob("test_ex*.py"))
              if _reference_functions(ast.parse(path.read_text()))]
     folder = out / EXPECTED_DIR
-    env = {**os.environ, RECORD_ENV: str(folder), "TOYLLM_IMPL": "solutions", "TOYLLM_GRADE_SEED": str(EDITION_SEED),
-           "TOYLLM_FAST": "1"}
+    env = {**os.environ, RECORD_ENV: str(folder), "TOYLLM_IMPL": "solutions", SEED_ENV: str(EDITION_SEED),
+           COURSE_ENV: str(root), "TOYLLM_FAST": "1"}
     env.pop("PYTEST_ADDOPTS", None)
     if tests:
         try:
