@@ -6,8 +6,9 @@ While the grader runs (``TOYLLM_GRADE_SANDBOX=1`` in its pytest process),
 lesson and brings back the value (``wire`` says in which safe format). The
 sandbox process
 
-- runs as the user ``nobody`` when the grader runs as root (as in a
-  Gradescope container or CI), else as the grader's user;
+- runs as a user id of its own (no account, no other process) when the
+  grader runs as root (as in a Gradescope container or CI), else as the
+  grader's user;
 - has its own process group, a scratch folder as its working directory and
   home, a copy of the submission's files, the model answers of every
   exercise *but the one being graded* (for the others, see ``guard``: the
@@ -16,7 +17,7 @@ sandbox process
   answer being graded) and an environment with nothing but the basics;
 - gets CPU-time, memory, file-size and process-count limits;
 - cannot reach the graded tests, the grader's log or the results file (they
-  live in the grader's private folder, which ``nobody`` cannot open).
+  live in the grader's private folder, which the sandbox user cannot open).
 
 A call that does not return before the test's time is up stops the sandbox
 (``SubmissionTimeout``, named after the call); so does a crash
@@ -51,7 +52,7 @@ from typing import BinaryIO, NamedTuple
 from . import guard, wire
 from .course import ANSWERS_ENV
 from ..supervise import become_subreaper, describe_exit, die_with_parent, signal_group
-from .launcher import closed_folders, namespaces_work
+from .launcher import ID_RANGE, closed_folders, namespaces_work, unused_id
 
 SANDBOX_ENV = "TOYLLM_GRADE_SANDBOX"          # "1" in the grader's pytest processes
 TIMEOUT_ENV = "TOYLLM_GRADE_TIMEOUT"          # seconds per test (the grader's --timeout)
@@ -116,11 +117,18 @@ def describe_call(name: str, args, kwargs) -> str:
 # --------------------------------------------------------------------------- the sandbox process
 
 def sandbox_user() -> tuple[int, int] | None:
-    """(uid, gid) to run the submission as, or None to keep the grader's own user."""
+    """(uid, gid) to run the submission as, or None to keep the grader's own user.
+
+    As root with no user named in ``TOYLLM_SANDBOX_USER``, a fresh id per call (``launcher.unused_id``),
+    so sandboxes graded side by side never share a process limit; where none can be had, ``nobody``.
+    """
     if os.geteuid() != 0:
         return None
     import pwd
 
+    fresh = None if os.environ.get(USER_ENV) else unused_id()
+    if fresh is not None and not (closed_folders() and not namespaces_work()):
+        return fresh, fresh
     name = os.environ.get(USER_ENV) or "nobody"
     try:
         entry = pwd.getpwnam(name)
@@ -139,11 +147,14 @@ def isolation() -> str:
     if os.geteuid() != 0:
         return "the submission runs in its own process, as the grader's user"
     name = os.environ.get(USER_ENV) or "nobody"
-    if sandbox_user() is None:
+    user = sandbox_user()
+    if user is None:
         return (f"WARNING: the submission runs as root: user {name!r} cannot reach "
                 f"{', '.join(map(str, closed_folders()))} to run Python, and mount namespaces are not available")
-    return f"the submission runs in its own process as user {name!r}" + \
-        (", with the course's tests out of sight" if namespaces_work() else "")
+    who = f"user {name!r}" if os.environ.get(USER_ENV) or user[0] < ID_RANGE.start else "a user id of its own"
+    return f"the submission runs in its own process as {who}" + \
+        (", with the course's tests out of sight and its own network, IPC and writable folders"
+         if namespaces_work() else "")
 
 
 class _Launched(NamedTuple):

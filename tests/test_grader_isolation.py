@@ -1,0 +1,200 @@
+"""One grading shares nothing with another: no files, IPC or sockets cross between sandboxes, the host's
+listeners are out of reach, and one sandbox's process count cannot starve another's.
+
+The attacks are the fixtures ``sharing`` and ``starving`` (tests/fixtures/submissions/README.md). Student
+A's grading runs as a command line process, held inside its graded call, while student B is graded here.
+"""
+from __future__ import annotations
+
+import ctypes
+import grp
+import os
+import pwd
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_grader import CONTAINED, ROOT, make_submission
+from toyllm.grading import grade
+from toyllm.grading.launcher import ID_RANGE, unused_id, writable_folders
+
+HOLD_S = 120                 # how long student A holds its sandbox (the test ends it sooner)
+SHARING = "toyllm-sharing"   # the sharing fixture's name for its files, queue and socket, and its process's
+SHM_KEY = 0x746F796C         # the sharing fixture's SysV shared memory key
+
+
+def _named(name: str) -> list:
+    import psutil
+
+    return [p for p in psutil.process_iter(["name"]) if p.info["name"] == name]
+
+
+def _start_holding(submission: Path, only: str, name: str) -> subprocess.Popen:
+    """Grade ``submission`` (``only``) from the command line until its graded call names a process ``name``."""
+    proc = subprocess.Popen([sys.executable, "-m", "toyllm", "grade", "--impl", str(submission), "--only", only,
+                             "--timeout", str(HOLD_S)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not _named(name):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"student A's grading never reached its graded call (exit code {proc.poll()})")
+        time.sleep(0.5)
+    return proc
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+    return libc
+
+
+def _host_traces() -> list[str]:
+    """What the sharing fixture left on this machine: files, its shared memory segment, its message queue."""
+    found = [str(p) for folder in ("/run/lock", "/var/lock", "/tmp", "/var/tmp", "/dev/shm")
+             if Path(folder).is_dir() for p in Path(folder).glob(f"{SHARING}*")]
+    libc = _libc()
+    if libc.shmget(SHM_KEY, 0, 0) >= 0:
+        found.append(f"SysV shared memory key {SHM_KEY:#x}")
+    queue = libc.mq_open(f"/{SHARING}".encode(), os.O_RDONLY, 0, None)
+    if queue >= 0:
+        libc.mq_close(queue)
+        found.append(f"POSIX message queue /{SHARING}")
+    return sorted(set(found))
+
+
+def _clean_host() -> None:
+    """Remove what the sharing fixture may have left (only where the grader failed to contain it)."""
+    for trace in _host_traces():
+        if trace.startswith("/"):
+            Path(trace).unlink(missing_ok=True)
+    libc = _libc()
+    shm = libc.shmget(SHM_KEY, 0, 0)
+    if shm >= 0:
+        libc.shmctl(shm, 0, None)                   # IPC_RMID
+    libc.mq_unlink(f"/{SHARING}".encode())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _reported(report, prefix: str) -> list[str]:
+    return [re.search(prefix + r".*", t.output).group(0) for t in report.tests if prefix in t.output]
+
+
+# --------------------------------------------------------------------------- the sandbox's own user id
+
+def test_each_sandbox_gets_a_user_id_no_account_group_or_process_has():
+    ids = {unused_id() for _ in range(5)}
+    if None in ids:
+        pytest.skip("this user namespace maps no id of the sandbox range")
+    assert len(ids) == 5                            # drawn afresh each time
+    in_use = {p.uids().real for p in __import__("psutil").process_iter()}
+    for uid in ids:
+        assert uid in ID_RANGE and uid not in in_use
+        with pytest.raises(KeyError):
+            pwd.getpwuid(uid)
+        with pytest.raises(KeyError):
+            grp.getgrgid(uid)
+
+
+def test_every_world_writable_folder_within_reach_is_found():
+    """The scan finds the conventional ones where they exist (followed through links), and only the topmost."""
+    found = writable_folders()
+    for folder in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock"):
+        if Path(folder).is_dir():
+            assert Path(folder).resolve() in found, (folder, found)
+    assert not [p for p in found if any(q in p.parents for q in found)], found
+
+
+# --------------------------------------------------------------------------- attacks through the real grader
+
+@CONTAINED
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_nothing_crosses_from_one_grading_to_the_next_while_it_lives_or_after(tmp_path):
+    """Student A leaves a marker in /run/lock, /var/lock, the temporary folders, SysV shared memory and a
+    POSIX message queue, serves it on an abstract unix socket and on 127.0.0.1, and sends it to a listener
+    of the host's. Student B, graded while A still runs and again after A's grading ended, finds nothing;
+    the host's listener heard nothing; nothing is left on the machine."""
+    _clean_host()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.setblocking(False)
+        ports = {"host_port": str(listener.getsockname()[1]), "peer_port": str(_free_port())}
+        writer = make_submission(tmp_path / "a", "sharing", hold_s=str(HOLD_S), **ports)
+        reader = make_submission(tmp_path / "b", "sharing", hold_s="0", **ports)
+        try:
+            student_a = _start_holding(writer, "3.1", SHARING)
+            try:
+                during = _reported(grade(reader, only="3.2"), "sharing-found")
+            finally:
+                _stop(student_a)
+            after = _reported(grade(reader, only="3.2"), "sharing-found")
+            left = _host_traces()
+            try:
+                heard = listener.accept()[0].recv(4096)
+            except BlockingIOError:
+                heard = b""
+        finally:
+            _clean_host()
+    assert during and all(found == "sharing-found nothing" for found in during), during
+    assert after and all(found == "sharing-found nothing" for found in after), after
+    assert heard == b"", f"the sandbox reached a listener of the host's and sent {heard!r}"
+    assert left == [], left
+
+
+# Appended to the model answer: Exercise 3.1 still right, its work done in a thread of its own (a thread counts
+# against the process limit as a process does; the engine's lessons start processes, which cost more to grade).
+IN_A_THREAD = """
+import concurrent.futures
+
+_by_the_formula = matmul_intensity
+
+
+def matmul_intensity(*args, **kwargs):
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(_by_the_formula, *args, **kwargs).result()
+"""
+
+
+@CONTAINED
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_grading_that_holds_every_process_it_may_does_not_starve_another(tmp_path):
+    """Student A forks up to its process limit and holds the processes; student B's correct answer,
+    which starts a thread, keeps full marks meanwhile, and A's processes end with A's grading."""
+    starving = make_submission(tmp_path / "a", "starving", hold_s=str(HOLD_S))
+    correct = tmp_path / "b"
+    correct.mkdir()
+    (correct / "ex03_rooflines.py").write_text((ROOT / "solutions" / "ex03_rooflines.py").read_text() + IN_A_THREAD)
+    student_a = _start_holding(starving, "3.1", "toyllm-starving")
+    try:
+        held = len(_named("toyllm-starve"))
+        assert held >= 200, f"the starving fixture held only {held} processes: did it reach its limit?"
+        report = grade(correct, only="3.1")
+    finally:
+        _stop(student_a)
+    assert report.by_exercise()["3.1"] == (2, 2), [t.output[:300] for t in report.tests]
+    deadline = time.monotonic() + 20              # the kernel ends a namespace's processes one by one
+    while _named("toyllm-starve") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _named("toyllm-starve")
