@@ -15,10 +15,12 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 import pytest
+import torch
 from test_grader import _graded_conftest, _run_exercise, _variant
 
 from toyllm import answers
 from toyllm.grading import harness, load_exercise, sandbox
+from toyllm.grading.expect import engine_cause
 from toyllm.grading.sandbox import LocalModule
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,6 +58,19 @@ def test_a_prefix_after_the_ranks_own_keys_is_named(tmp_path):
     assert ("rank 1, layer 0: of the 12 keys it attended over, rows 0-6 hold its own tokens 5-11, rows 7-11 hold "
             "rank 0's tokens 0-4; it should attend over tokens 0-11 in order; the prefix from ranks before it "
             "(tokens 0-4) should come first") in why, why
+
+
+@pytest.mark.timeout(30)
+def test_a_token_id_that_comes_again_is_no_mistake():
+    # values carry no position: a prompt that repeats a token has equal value rows at both places
+    keys, values = torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4)
+    values[..., 4, :] = values[..., 1, :]
+    trace = [{"rank": rank, "layer": 0, "q_pos": torch.arange(3 * rank, 3 * rank + 3),
+              "k_pos": torch.arange(3 * rank + 3), "k": keys[..., :3 * rank + 3, :], "v": values[..., :3 * rank + 3, :]}
+             for rank in (0, 1)]
+    assert engine_cause(trace, [(keys, values)], [3, 3], "kvr") == ""
+    trace[1]["v"] = values[..., [3, 4, 5, 0, 1, 2], :]
+    assert engine_cause(trace, [(keys, values)], [3, 3], "kvr").startswith("rank 1, layer 0: of the 6 values")
 
 
 @pytest.mark.slow

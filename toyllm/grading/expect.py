@@ -109,14 +109,24 @@ def _spans(values: list[int]) -> str:
 
 
 def _tokens_of_rows(got: torch.Tensor, reference: torch.Tensor, atol: float) -> list[int | None]:
-    """For each row of ``got`` (1, Hkv, S, D), the token whose row of ``reference`` (1, Hkv, C, D) it equals."""
+    """For each row of ``got`` (1, Hkv, S, D), the token whose row of ``reference`` (1, Hkv, C, D) it equals.
+
+    Row t is taken for token t whenever it equals that token's row: a prompt that repeats a token id has
+    equal values (no RoPE on them) at both places, and the right place is not a mistake.
+    """
     flat_got = got[0].transpose(0, 1).reshape(got.shape[-2], -1).double()              # (S, Hkv * D)
     flat_ref = reference[0].transpose(0, 1).reshape(reference.shape[-2], -1).double()  # (C, Hkv * D)
     if flat_got.shape[-1] != flat_ref.shape[-1]:
         return [None] * got.shape[-2]
     dist = (flat_got[:, None, :] - flat_ref[None, :, :]).abs().amax(-1)                 # (S, C)
     best = dist.min(-1)
-    return [int(t) if d <= atol else None for d, t in zip(best.values.tolist(), best.indices.tolist())]
+    tokens = []
+    for row, (d, t) in enumerate(zip(best.values.tolist(), best.indices.tolist())):
+        if row < dist.shape[1] and dist[row, row] <= atol:
+            tokens.append(row)
+        else:
+            tokens.append(int(t) if d <= atol else None)
+    return tokens
 
 
 def _owners(tokens: list[int], starts: list[int], rank: int) -> str:
