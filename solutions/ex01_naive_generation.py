@@ -93,7 +93,7 @@ def naive_generate(model, prompt_ids: list[int], max_new_tokens: int) -> list[in
     is the slow baseline that the KV cache of lesson 02 speeds up.
     Raises ValueError for an empty prompt or a negative max_new_tokens.
     """
-    # BEGIN SOLUTION 1.3 hint: ids = list(prompt_ids); each step: logits = model(torch.tensor([ids]))[0, -1], pick with greedy_next_token, append to ids
+    # BEGIN SOLUTION 1.3 hint: ids = list(prompt_ids); each step: run the model on torch.tensor([ids]) and keep the last position's logits ([0, -1]), pick with greedy_next_token, append to ids
     # idea: each step runs the model over the whole sequence so far and keeps only the last position's logits
     if len(prompt_ids) == 0:
         raise ValueError("prompt_ids is empty: give at least one token")

@@ -40,7 +40,7 @@ def matmul_intensity(B: int, D: int, F: int, bytes_per_value: float = 2) -> floa
     Returns a float (no rounding), e.g. matmul_intensity(2, 3, 4) = 48/52.
     Raises ValueError if a dimension is < 1 or bytes_per_value <= 0.
     """
-    # BEGIN SOLUTION 3.1 hint: (2 * B * D * F) / (bytes_per_value * (B*D + D*F + B*F))
+    # BEGIN SOLUTION 3.1 hint: 2 x B x D x F FLOPs over the bytes moved: bytes_per_value for every element of the two inputs and the output (B x D, D x F, B x F)
     # idea: intensity is FLOPs divided by bytes moved: count the multiply-adds, and the bytes of both inputs and the output
     if min(B, D, F) < 1:
         raise ValueError(f"B, D and F must be at least 1, got B={B}, D={D}, F={F}")
@@ -85,7 +85,7 @@ def min_step_time_s(param_bytes: float, kv_bytes_per_seq: float, batch: int,
     Returns seconds as a float (no rounding).
     Raises ValueError for a negative batch or a bandwidth that is not positive.
     """
-    # BEGIN SOLUTION 3.3 hint: (batch * kv_bytes_per_seq + param_bytes) / hbm_bandwidth_bytes_per_s
+    # BEGIN SOLUTION 3.3 hint: the bytes read per step (the parameters once, plus every sequence's KV cache) over the HBM bandwidth
     # idea: a memory-bound step reads every weight once and every sequence's KV cache once
     if batch < 0:
         raise ValueError(f"batch must be >= 0, got {batch}")

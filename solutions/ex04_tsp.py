@@ -53,7 +53,7 @@ def tsp_layer(layer, x, pos, comm, attention):
     Returns (layer output (B, c_i, d_model), k and v of the whole context (B, Hkv, C, D)).
     Test it with ``parallel_prefill(..., step=ex04.tsp_layer)``.
     """
-    # BEGIN SOLUTION 4.2 hint: q, k, v = layer.qkv(x, pos.cos, pos.sin); ks, vs = comm.all_gather(k, v); concatenate along the token dim (-2); keys sit at positions 0..C-1; layer.finish(x, layer.attend(...))
+    # BEGIN SOLUTION 4.2 hint: layer.qkv with pos.cos and pos.sin gives q, k, v; ks, vs = comm.all_gather(k, v); concatenate along the token dim (-2); keys sit at positions 0..C-1; layer.finish(x, layer.attend(...))
     # idea: project your own tokens, collect every rank's keys and values in rank order, attend with the causal mask at absolute positions, finish the layer
     q, k, v = layer.qkv(x, pos.cos, pos.sin)
     ks, vs = comm.all_gather(k, v)

@@ -31,7 +31,7 @@ def kvr_layer_blocking(layer, x, pos, chain, attention):
     on, attend over keys at positions 0 .. s_i + c_i - 1, finish the layer.
     Returns (layer output (B, c_i, d_model), k and v (B, Hkv, s_i + c_i, D)).
     """
-    # BEGIN SOLUTION 5.1 hint: prefix = chain.recv(); q, k, v = layer.qkv(x, pos.cos, pos.sin); if prefix: k = torch.cat([prefix[0], k], -2) (same for v); chain.send(k, v); keys at torch.arange(k.shape[-2]); layer.finish(x, layer.attend(...))
+    # BEGIN SOLUTION 5.1 hint: prefix = chain.recv(); layer.qkv with pos.cos and pos.sin gives q, k, v; if prefix: k = torch.cat([prefix[0], k], -2) (same for v); chain.send(k, v); keys at torch.arange(k.shape[-2]); layer.finish(x, layer.attend(...))
     # idea: the prefix of the earlier ranks arrives first; your keys go after it; the grown prefix goes on to the next rank; your queries see every key up to their own position
     prefix = chain.recv()
     q, k, v = layer.qkv(x, pos.cos, pos.sin)
@@ -96,7 +96,7 @@ def ttft_lower_bound(ttft1_s: float, world_size: int) -> float:
     ttft1_s: the one-process time to first token (seconds). Raises
     ValueError for a world size below 1 or a negative time.
     """
-    # BEGIN SOLUTION 5.4 hint: ttft1_s / 2 * (1 / p + 1 / p**2); validate first
+    # BEGIN SOLUTION 5.4 hint: half of ttft1_s, times 1/p plus 1/p squared; validate first
     # idea: the paper's bound halves the one-process time and scales it by 1/p + 1/p^2
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1 process, got {world_size}")

@@ -57,7 +57,7 @@ def prepare_blocks(pool, table: list[int], start: int, tokens: int) -> list[int]
     stay shared. Raises ValueError when start < 0, tokens < 1, or start is
     beyond the rows the table holds (len(table) * block_size): a gap.
     """
-    # BEGIN SOLUTION 8.1 hint: bs = pool.block_size; first, last = start // bs, (start + tokens - 1) // bs; for i in first .. min(last, len(table) - 1): if pool.refs[table[i]] > 1: new = pool.allocate(); pool.k[new] = pool.k[old]; pool.v[new] = pool.v[old]; pool.release(old); then append pool.allocate() while len(table) <= last
+    # BEGIN SOLUTION 8.1 hint: bs = pool.block_size; the first block is start // bs, the last the block of position start + tokens - 1; for i in first .. min(last, len(table) - 1): if pool.refs[table[i]] > 1: new = pool.allocate(); pool.k[new] = pool.k[old]; pool.v[new] = pool.v[old]; pool.release(old); then append pool.allocate() while len(table) <= last
     # idea: find the blocks the new rows land in; a shared one among them becomes a private copy, the missing ones come fresh from the pool
     if start < 0 or tokens < 1:
         raise ValueError(f"need start >= 0 and tokens >= 1, got start={start}, tokens={tokens}")
@@ -126,7 +126,7 @@ def plan_iteration(prompt_left: list[int], done: list[bool], token_budget: int |
     entry of prompt_left is negative, a done sequence still has prompt
     left, token_budget < 1, or the budget cannot carry the decodes.
     """
-    # BEGIN SOLUTION 8.3 hint: decoding = [not d and left == 0 ...]; budget -= their count (ValueError if it goes below 0); n[i] = 1 for them; then for each prefilling i in order: n[i] = left if budget is None else min(left, budget); budget -= n[i]
+    # BEGIN SOLUTION 8.3 hint: decoding = [not d and left == 0 ...]; budget -= their count (ValueError if it goes below 0); n[i] = 1 for them; then for each prefilling i in order: n[i] is all that is left when budget is None, else no more than the budget; budget -= n[i]
     # idea: serve everyone who is decoding first, one token each, then hand what the budget has left to the waiting prompts in the order they came
     if len(prompt_left) != len(done):
         raise ValueError(f"prompt_left has {len(prompt_left)} entries and done {len(done)}: one each per sequence")

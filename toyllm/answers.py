@@ -59,6 +59,7 @@ class Mark:
     spec: str
     feature: str = ""          # what needs it, in words ("KV-Runahead"): answers only
     function: str = ""         # the exercise's function name: answers only
+    student: str = ""          # shortcuts only: what the student edition's body calls instead (see ``shortcut``)
     path: Path | None = None
     lines: tuple[int, int] = (0, 0)    # first and last line of the definition, decorators included
 
@@ -91,8 +92,15 @@ def answer(number: str, feature: str, function: str | None = None, also: tuple[s
     return mark
 
 
-def shortcut(*numbers: str):
-    """Mark a library function that does the work of these exercises another way (forbidden while grading them)."""
+def shortcut(*numbers: str, student: str | None = None):
+    """Mark a library function that does the work of these exercises another way (forbidden while grading them).
+
+    student: where the function holds an exercise's algorithm, the name of a
+    function beside it, with the same parameters, that gets the result from
+    the exercise (``exercise("6.2")(...)``) instead; the student edition's
+    builder makes the marked function's body one call of it, so the edition
+    holds no copy of the algorithm and the library runs the student's code.
+    """
     _check_numbers(numbers)
 
     def mark(fn):
@@ -269,7 +277,7 @@ def _marks_in(body, module: str, prefix: str, path: Path) -> list[Mark]:
                 out.append(Mark("answer", (number, *kw.get("also", ())), feature=feature, function=function,
                                 **common))
             else:
-                out.append(Mark("shortcut", tuple(args), **common))
+                out.append(Mark("shortcut", tuple(args), student=kw.get("student") or "", **common))
         if isinstance(node, ast.ClassDef):
             out += _marks_in(node.body, module, qualname + ".", path)
     return out

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+import numpy as np
+
 from .answers import answer, exercise, shortcut
 
 METHODS = ("kvr", "tsp")
@@ -110,7 +112,7 @@ def even_partition(context: int, world_size: int) -> list[int]:
     return [base + 1 if i < extra else base for i in range(p)]
 
 
-@shortcut("6.3")
+@shortcut("6.3", student="_partition_by_exercise")
 def partition_from_ratios(context: int, ratios: Sequence[float]) -> list[int]:
     """Chunk sizes in proportion to ``ratios`` that add up to exactly ``context``.
 
@@ -120,14 +122,7 @@ def partition_from_ratios(context: int, ratios: Sequence[float]) -> list[int]:
     given one token, taken from the largest chunk, so every chunk is >= 1.
     Ratios need not sum to 1; they are normalised.
     """
-    if isinstance(ratios, (str, bytes)) or not hasattr(ratios, "__len__") or len(ratios) == 0:
-        raise ValueError(f"ratios must be a non-empty list of positive numbers, got {ratios!r}")
-    C, p = _check_context_and_world(context, len(ratios))
-    r = []
-    for i, x in enumerate(ratios):
-        if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or x <= 0:
-            raise ValueError(f"ratio {i} is {x!r}: ratios must be positive finite numbers")
-        r.append(float(x))
+    C, p, r = _checked_ratios(context, ratios)
     total = sum(r)
     shares = [C * x / total for x in r]
     chunks = [math.floor(s) for s in shares]
@@ -142,6 +137,27 @@ def partition_from_ratios(context: int, ratios: Sequence[float]) -> list[int]:
             chunks[donor] -= 1
             chunks[i] += 1
     return chunks
+
+
+def _checked_ratios(context: int, ratios: Sequence[float]) -> tuple[int, int, list[float]]:
+    """(context, processes, the ratios as floats), or ValueError naming what is wrong."""
+    if isinstance(ratios, (str, bytes)) or not hasattr(ratios, "__len__") or len(ratios) == 0:
+        raise ValueError(f"ratios must be a non-empty list of positive numbers, got {ratios!r}")
+    C, p = _check_context_and_world(context, len(ratios))
+    r = []
+    for i, x in enumerate(ratios):
+        if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or x <= 0:
+            raise ValueError(f"ratio {i} is {x!r}: ratios must be positive finite numbers")
+        r.append(float(x))
+    return C, p, r
+
+
+@answer("6.3", "Splitting a context by ratios", function="interpolate_partition")
+def _partition_by_exercise(context: int, ratios: Sequence[float]) -> list[int]:
+    """``partition_from_ratios`` in the student edition: Exercise 6.3 rounds the shares, given a lookup
+    table whose one entry is these ratios at this context."""
+    C, _, r = _checked_ratios(context, ratios)
+    return exercise("6.3")({C: r}, C)
 
 
 def align_boundaries(chunks: Sequence[int], multiple_of: int = 8) -> list[int]:
@@ -335,7 +351,7 @@ def _strides(context: int, world_size: int, span: int, stride, min_stride) -> tu
     return max(min_stride, _check_int(stride, "stride")), min_stride
 
 
-@shortcut("6.1", "6.2")
+@shortcut("6.1", "6.2", student="_boundary_search_by_exercise")
 def search_boundary_1d(cost: CostFn, context: int, min_stride: int = 1, stride: int | None = None,
                        progress: bool = False) -> SearchResult:
     """Best split of ``context`` tokens between two processes, ``[c_0, c_1]``.
@@ -377,7 +393,21 @@ def search_boundary_1d(cost: CostFn, context: int, min_stride: int = 1, stride: 
     return f.result((0, best, C))
 
 
-@shortcut("6.1", "6.2")
+@answer("6.1", "The two-process partition search", function="search_boundary")
+def _boundary_search_by_exercise(cost: CostFn, context: int, min_stride: int = 1, stride: int | None = None,
+                                 progress: bool = False) -> SearchResult:
+    """``search_boundary_1d`` in the student edition: Exercise 6.1 searches (``stride`` is unused: the
+    exercise picks its own steps); every evaluation is recorded at level 0 and the first stride."""
+    C = _check_int(context, "context")
+    if C < 2:
+        raise ValueError(f"two processes need a context of at least 2 tokens, got {C}")
+    f = _MemoCost(cost, _progress_bar(progress, "boundary search"))
+    f.stride, min_stride = _strides(C, 2, 2, stride, min_stride)
+    first, _ = exercise("6.1")(lambda chunks: f((0, chunks[0], C)), C, min_stride)
+    return f.result((0, first, C))
+
+
+@shortcut("6.1", "6.2", student="_grid_search_by_exercise")
 def hierarchical_grid_search(cost: CostFn, context: int, world_size: int, stride: int | None = None,
                              min_stride: int = 1, span: int = 2, recenter: bool = True,
                              progress: bool = False) -> SearchResult:
@@ -434,6 +464,27 @@ def hierarchical_grid_search(cost: CostFn, context: int, world_size: int, stride
             break
         stride = max(min_stride, stride // 2)
     return f.result(best)
+
+
+@answer("6.2", "The partition search", function="grid_search")
+def _grid_search_by_exercise(cost: CostFn, context: int, world_size: int, stride: int | None = None,
+                             min_stride: int = 1, span: int = 2, recenter: bool = True,
+                             progress: bool = False) -> SearchResult:
+    """``hierarchical_grid_search`` in the student edition: Exercise 6.2 searches from the same first stride
+    (``recenter`` is unused: the exercise's levels are its own); every evaluation is recorded at level 0 and
+    the first stride."""
+    C, p = _check_context_and_world(context, world_size)
+    span = _check_int(span, "span")
+    if span < 1:
+        raise ValueError(f"span must be at least 1 (grid offsets -span..span), got {span}")
+    stride, min_stride = _strides(C, p, span, stride, min_stride)
+    f = _MemoCost(cost, _progress_bar(progress, f"grid search p={p}"))
+    f.stride = stride
+    if p == 1:
+        f((0, C))
+        return f.result((0, C))
+    chunks = exercise("6.2")(lambda chunks: f(boundaries_from_chunks(chunks)), C, p, stride, min_stride, span)
+    return f.result(boundaries_from_chunks(chunks))
 
 
 @shortcut("6.1", "6.2")
@@ -507,16 +558,10 @@ class PartitionTable:
         if C < 1:
             raise ValueError(f"context must be at least 1 token, got {C}")
         keys = self.contexts
-        if C <= keys[0]:
-            return self.ratios(keys[0])
-        if C >= keys[-1]:
-            return self.ratios(keys[-1])
-        hi = next(k for k in keys if k >= C)
-        lo = keys[keys.index(hi) - 1]
-        if hi == C:
-            return self.ratios(C)
-        t = (C - lo) / (hi - lo)
-        return [(1 - t) * a + t * b for a, b in zip(self.ratios(lo), self.ratios(hi))]
+        per_rank = zip(*(self.ratios(k) for k in keys))        # each rank's ratio at every stored length
+        # numpy's piecewise-linear interpolation: exact on a stored length, clamped outside the table's range
+        # (the interpolation written out is Exercise 6.3, which the student edition holds no copy of)
+        return [float(np.interp(C, keys, ratios)) for ratios in per_rank]
 
     def predict(self, context: int, multiple_of: int = 8) -> list[int]:
         """Chunk sizes for ``context`` tokens: exact on a stored length, else interpolated ratios rounded,
