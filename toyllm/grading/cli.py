@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 
+from ..supervise import Terminated, stop_signals_as_interrupt
 from .course import course_root
 from .grader import GradingError, grade
 from .sandbox import DEFAULT_MEMORY_MB
@@ -55,7 +56,11 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Grade, print the table, write the results file. Exit code 0 whenever grading ran, whatever the score."""
+    """Grade, print the table, write the results file. Exit code 0 whenever grading ran, whatever the score.
+
+    A stop signal (SIGTERM, SIGHUP) or Ctrl-C unwinds grading, which ends every process it started, and
+    propagates: the caller (``cli_main``, ``toyllm.cli.main``) turns it into exit code 128 + the signal.
+    """
     only = None
     if args.only:
         only = [part for chunk in args.only for part in chunk.split(",") if part.strip()]
@@ -64,8 +69,6 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # SIGTERM (a CI job cancelled, a container stopped) unwinds like Ctrl-C, so the test processes end too.
-    signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         report = grade(args.impl, only=only, extra_tests=args.extra_tests, results_path=args.results,
                        per_test_timeout_s=args.timeout, verbose=True, memory_limit_mb=args.memory_mb)
@@ -90,7 +93,12 @@ def cli_main(argv: list[str] | None = None) -> int:
     s.add_argument("--force", action="store_true", help="overwrite exercise files even if they hold answers")
     args = parser.parse_args(argv)
     if args.command == "grade":
-        return main(args)
+        try:
+            with stop_signals_as_interrupt():
+                return main(args)
+        except KeyboardInterrupt as stop:            # Ctrl-C, or a stop signal (Terminated, which says which)
+            print(f"grade: stopped ({stop})" if isinstance(stop, Terminated) else "interrupted", file=sys.stderr)
+            return 128 + getattr(stop, "signum", signal.SIGINT)
     try:
         changed = sync(check=args.check, force=args.force)
     except ValueError as e:

@@ -19,7 +19,8 @@ def read_log(log: Path) -> list[dict]:
 
 def classify(message: str, default: str) -> tuple[str, str]:
     """(status, message a student can act on) of a failed phase."""
-    for prefix in ("AssertionError: ", "Failed: ", "toyllm.grading.guard.IndependenceError: "):
+    for prefix in ("AssertionError: ", "Failed: ", "toyllm.grading.guard.IndependenceError: ",
+                   "toyllm.grading.wire.ReplyTooLarge: "):
         message = message.removeprefix(prefix)
     for name, status in (("SubmissionTimeout", "timeout"), ("SubmissionCrash", "crashed"),
                          ("SubmissionError", default)):

@@ -11,6 +11,18 @@ from pathlib import Path
 
 
 _STUB = re.compile(r"(?:NotImplementedError: )?(Exercise \d+\.\d+: implement \w+.*)")
+# C0 and C1 control characters but newline and tab (ESC starts every terminal escape sequence; CR
+# overwrites a line), DEL, and Unicode's bidirectional overrides, which reorder what a line shows.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character but newline and tab written as a visible escape (``\\x1b``).
+
+    What a submission printed or raised reaches the instructor's terminal and results.json; written out,
+    an escape sequence cannot move the cursor, erase lines or draw a forged table.
+    """
+    return _CONTROL.sub(lambda m: repr(m[0])[1:-1] if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
 
 
 def explain(test: "TestResult", indent: str = "  ", width: int = 100) -> str:
@@ -57,6 +69,10 @@ class TestResult:
     status: str                # passed | failed | error | timeout | skipped | crashed
     output: str = ""
     hidden: bool = False       # came from the instructor's extra tests
+
+    def __post_init__(self):
+        # Every outcome enters the report here, so nothing a submission wrote reaches a terminal unescaped.
+        self.name, self.output = printable(self.name), printable(self.output)
 
     @property
     def lesson(self) -> int:

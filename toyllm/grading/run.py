@@ -17,7 +17,7 @@ from .course import COURSE_ENV, course_root, grading_tests_dir, solutions_dir
 from .impl import IMPL_ENV
 from .outcome import outcome, read_log
 from .plugin import EXERCISES_ENV, LESSON_ENV, LOG_ENV
-from .report import TestResult
+from .report import TestResult, printable
 from .sandbox import HIDE_ENV, MEMORY_ENV, SANDBOX_ENV, SCRATCH_ENV, TIMEOUT_ENV
 
 
@@ -33,8 +33,38 @@ def open_to_others(folder: Path) -> bool:
     return True
 
 
+# The reaper: a process of its own session that removes the grader's folders once the grader has ended,
+# however it ended (SIGKILL runs no clean-up in the grader). It reads the folders' paths, NUL-separated,
+# from a pipe whose only writer is the grader, and the pipe closes when the grader dies. Processes of
+# the grader's that are still dying may write a file more into a folder, so it tries again for a while.
+_REAPER = """
+import os, shutil, sys, time
+folders = [f for f in sys.stdin.buffer.read().split(b"\\0") if f]
+deadline = time.monotonic() + 10
+while any(os.path.lexists(f) for f in folders) and time.monotonic() < deadline:
+    for f in folders:
+        shutil.rmtree(f, ignore_errors=True)
+    time.sleep(0.05)
+"""
+_reaper: subprocess.Popen | None = None
+
+
+def remove_when_gone(folder: Path) -> None:
+    """Have ``folder`` removed when this process ends, even if it is killed (a folder removed before is fine)."""
+    global _reaper
+    if _reaper is None or _reaper.poll() is not None:
+        _reaper = subprocess.Popen([sys.executable, "-I", "-S", "-c", _REAPER], stdin=subprocess.PIPE,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    _reaper.stdin.write(os.fsencode(folder) + b"\0")
+    _reaper.stdin.flush()
+
+
 def private_copy_of_tests(tmp: Path, extra_dir: Path | None) -> tuple[Path, Path | None]:
-    """Copy the graded tests (and hidden ones) into the grader's own folder: what runs cannot be swapped."""
+    """Copy the graded tests (and hidden ones) into the grader's own folder: what runs cannot be swapped.
+
+    The folder is removed when this process ends, however it ends (``remove_when_gone``).
+    """
+    remove_when_gone(tmp)
     source = grading_tests_dir()
     local = tmp / "tests" / "grading"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -76,6 +106,7 @@ class Standby:
     def __init__(self, settings: dict[str, str]):
         self.settings = settings
         self.home = Path(tempfile.mkdtemp(prefix="toyllm-standby-"))
+        remove_when_gone(self.home)
         env = dict(os.environ, **settings, **_FIXED, **{SCRATCH_ENV: str(self.home)})
         self.proc = subprocess.Popen([sys.executable, "-m", "toyllm.grading.standby"], cwd=self.home, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -157,11 +188,13 @@ def run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env:
         if standby is not None:
             standby.close()
     events = read_log(log)
-    tail = out.read_text(errors="replace")[-3000:]
+    with open(out, "rb") as f:                  # its end only: what a test printed may be long
+        f.seek(max(f.seek(0, os.SEEK_END) - 3000, 0))
+        tail = f.read().decode(errors="replace")
     collected = [e for e in events if e["event"] == "collected"]
     if not collected:
         raise GradingError(f"pytest could not collect the graded tests of ex{lesson:02d} (exit code "
-                           f"{proc.returncode}):\n{tail}")
+                           f"{proc.returncode}):\n{printable(tail)}")
     items = collected[-1]["items"]
     seen_lessons = {int(i["exercise"].split(".")[0]) for i in items}
     phases: dict[str, dict[str, dict]] = {}

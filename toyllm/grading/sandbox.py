@@ -63,6 +63,7 @@ SCRATCH_ENV = "TOYLLM_GRADE_SCRATCH"          # the grader's private folder, whe
 DEFAULT_MEMORY_MB = 8192
 CPU_LIMIT_S = 900                             # CPU seconds per sandbox process
 FILE_LIMIT_BYTES = 256 * 2**20
+OUTPUT_KEEP_BYTES = 64 * 2**10                # of what one call printed: this much of its start and its end
 PROCESS_LIMIT = 256
 
 
@@ -317,11 +318,27 @@ class Sandbox:
     # -- requests
 
     def relay_output(self) -> None:
-        """Show what the submission printed so far as this test's own output (pytest captures it here)."""
-        if self._output is not None and not self._output.closed:
-            printed = self._output.read()
-            if printed:
-                sys.stdout.write(printed.decode(errors="replace"))
+        """Show what the submission printed since the last relay as this test's own output (pytest captures it
+        here): at most ``OUTPUT_KEEP_BYTES`` of its start and as many of its end, saying how much was left out.
+
+        The file is emptied after, so the sandbox's file-size limit bounds what one call prints (what a
+        process of the submission's writes while this runs may be lost).
+        """
+        if self._output is None or self._output.closed:
+            return
+        output = self._output
+        start, end = output.tell(), os.fstat(output.fileno()).st_size
+        if end - start > 2 * OUTPUT_KEEP_BYTES:
+            head = output.read(OUTPUT_KEEP_BYTES)
+            output.seek(end - OUTPUT_KEEP_BYTES)
+            left_out = f"\n[... {end - start - 2 * OUTPUT_KEEP_BYTES} bytes of output left out ...]\n"
+            printed = head + left_out.encode() + output.read(OUTPUT_KEEP_BYTES)
+        else:
+            printed = output.read(end - start)
+        os.ftruncate(output.fileno(), 0)
+        output.seek(0)
+        if printed:
+            sys.stdout.write(printed.decode(errors="replace"))
 
     def _request(self, message: dict, what: str, callbacks=None) -> dict:
         if self.proc is not None and self.exercise != context.exercise:

@@ -8,7 +8,11 @@ Back from the sandbox (untrusted data, trusted reader): never pickle. The
 value is first reduced to plain pieces (numbers, strings, tensors, lists,
 dicts, tagged records), written with ``torch.save`` and read with
 ``torch.load(weights_only=True)``, which only rebuilds tensors and basic
-types. Whatever else a submission returns (a NumPy scalar, its own class)
+types. A reply is bounded before anything in it is read: its frame is at most
+``MAX_REPLY_BYTES``, every record of its zip archive is stored as it is (never
+deflated, so nothing inflates), its pickle (all but the tensors' data) is at
+most ``MAX_REPLY_PICKLE_BYTES``, and rebuilding it makes at most
+``MAX_REPLY_VALUES`` values (a pickle's shared references cannot multiply). Whatever else a submission returns (a NumPy scalar, its own class)
 arrives as an ``Unsendable`` that shows its type and repr, so a type check in
 a graded test fails with a readable message instead of running its code.
 """
@@ -18,6 +22,7 @@ import dataclasses
 import io
 import pickle
 import struct
+import zipfile
 from fractions import Fraction
 from types import SimpleNamespace
 
@@ -25,6 +30,16 @@ import torch
 
 _MAX_DEPTH = 64
 _LENGTH = struct.Struct("!Q")
+MAX_REPLY_BYTES = 256 * 2**20     # one reply from the sandbox, as sent and as loaded (bytes)
+MAX_REPLY_PICKLE_BYTES = 32 * 2**20   # the part of a reply that is not tensor data (its pickle, bytes)
+MAX_REPLY_VALUES = 2**22          # numbers, strings, tensors and containers rebuilt from one reply
+
+
+class ReplyTooLarge(Exception):
+    """A reply from the sandbox is over a size limit; it is refused before it is loaded.
+
+    Not a ``ValueError``: a graded test that expects the submission to raise one must not take this for it.
+    """
 
 
 class Unsendable:
@@ -111,32 +126,37 @@ def _plain(obj, depth=0):
     return {"~": "opaque", "type": f"{type(obj).__module__}.{type(obj).__qualname__}", "repr": text}
 
 
-def _rebuild(obj):
+def _rebuild(obj, budget: list[int]):
+    """``obj`` as the values it stands for; ``budget[0]``: how many more values may be made."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise ReplyTooLarge(f"the submission's reply holds over {MAX_REPLY_VALUES} values; "
+                            f"at most {MAX_REPLY_VALUES} can come back from the sandbox")
     if isinstance(obj, list):                  # never produced bare by _plain, but harmless
-        return [_rebuild(x) for x in obj]
+        return [_rebuild(x, budget) for x in obj]
     if not isinstance(obj, dict):
         return obj
     tag, v = obj.get("~"), obj.get("v")
     if tag == "tuple":
-        return tuple(_rebuild(x) for x in v)
+        return tuple(_rebuild(x, budget) for x in v)
     if tag == "list":
-        return [_rebuild(x) for x in v]
+        return [_rebuild(x, budget) for x in v]
     if tag == "set":
-        return {_rebuild(x) for x in v}
+        return {_rebuild(x, budget) for x in v}
     if tag == "frozenset":
-        return frozenset(_rebuild(x) for x in v)
+        return frozenset(_rebuild(x, budget) for x in v)
     if tag == "dict":
-        return {_rebuild(k): _rebuild(x) for k, x in v}
+        return {_rebuild(k, budget): _rebuild(x, budget) for k, x in v}
     if tag == "fraction":
         return Fraction(int(v[0]), int(v[1]))
     if tag == "bytes":
-        return bytes(v.tolist())
+        return v.to(torch.uint8).numpy().tobytes() if isinstance(v, torch.Tensor) else bytes(v)
     if tag == "complex":
         return complex(float(v[0]), float(v[1]))
     if tag == "dtype":
         return getattr(torch, str(v).removeprefix("torch."))
     if tag == "record":
-        return Record(**{str(k): _rebuild(x) for k, x in v.items()})
+        return Record(**{str(k): _rebuild(x, budget) for k, x in v.items()})
     if tag == "opaque":
         return Unsendable(str(obj.get("type")), str(obj.get("repr")))
     raise ValueError(f"unknown value tag {tag!r} from the sandbox")
@@ -150,8 +170,40 @@ def to_grader(obj) -> bytes:
 
 
 def from_sandbox(data: bytes):
-    """Read a reply on the trusted side: tensors and basic types only, nothing that runs code."""
-    return _rebuild(torch.load(io.BytesIO(data), weights_only=True, map_location="cpu"))
+    """Read a reply on the trusted side: tensors and basic types only, nothing that runs code.
+
+    ReplyTooLarge if it would take more than ``MAX_REPLY_BYTES`` once loaded or make more than
+    ``MAX_REPLY_VALUES`` values.
+    """
+    _check_archive(data)
+    return _rebuild(torch.load(io.BytesIO(data), weights_only=True, map_location="cpu"), [MAX_REPLY_VALUES])
+
+
+def _check_archive(data: bytes) -> None:
+    """Refuse a reply whose records are compressed or add up to more than ``MAX_REPLY_BYTES``, from its
+    zip directory alone (torch.save stores every record as it is, so a compressed one is crafted)."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            records = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, EOFError) as e:
+        raise ValueError(f"the submission's reply is not a torch.save archive ({e})") from None
+    packed = [r.filename for r in records if r.compress_type != zipfile.ZIP_STORED or r.file_size != r.compress_size]
+    if packed:
+        raise ReplyTooLarge(f"the submission's reply holds compressed records ({', '.join(packed[:3])}); "
+                            "replies are torch.save archives, whose records are stored as they are")
+    _check_size(sum(r.file_size for r in records))
+    # The pickle is the part that grows when loaded (a shared reference costs 2 bytes, a list slot 8).
+    pickled = sum(r.file_size for r in records if r.filename.endswith("data.pkl"))
+    if pickled > MAX_REPLY_PICKLE_BYTES:
+        raise ReplyTooLarge(f"the submission's reply has {pickled / 2**20:.0f} MiB of Python values besides tensor "
+                            f"data; at most {MAX_REPLY_PICKLE_BYTES // 2**20} MiB can come back from the sandbox "
+                            "(return a tensor instead of a long list)")
+
+
+def _check_size(n: int) -> None:
+    if n > MAX_REPLY_BYTES:
+        raise ReplyTooLarge(f"the submission's reply was {n / 2**20:.0f} MiB; at most "
+                            f"{MAX_REPLY_BYTES // 2**20} MiB can come back from the sandbox")
 
 
 # --------------------------------------------------------------------------- framing on a socket
@@ -166,6 +218,13 @@ def recv(sock, limit: int = 2**31) -> bytes:
     (n,) = _LENGTH.unpack(head)
     if n > limit:
         raise ConnectionError(f"a reply of {n} bytes is over the limit of {limit}")
+    return _recv_exactly(sock, n)
+
+
+def recv_reply(sock) -> bytes:
+    """One reply from the sandbox: ReplyTooLarge, before any of it is read, if over ``MAX_REPLY_BYTES``."""
+    (n,) = _LENGTH.unpack(_recv_exactly(sock, _LENGTH.size))
+    _check_size(n)
     return _recv_exactly(sock, n)
 
 
