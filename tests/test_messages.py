@@ -29,7 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PREFIX = "k, v = torch.cat([prefix[0], k], dim=-2), torch.cat([prefix[1], v], dim=-2)"
 PREFIX_AFTER = "k, v = torch.cat([k, prefix[0]], dim=-2), torch.cat([v, prefix[1]], dim=-2)"
 # 5.1's positions line, with the lines that make it 5.1's and not 5.2's (the same line is in both).
-POSITIONS = "k_pos = torch.arange(k.shape[-2], device=x.device)\n    out = layer.attend(q, k, v, pos.q_pos, k_pos, attention)\n    return layer.finish(x, out), k, v\n    # END SOLUTION\n\n\ndef kvr_layer("
+POSITIONS = ("k_pos = torch.arange(k.shape[-2], device=x.device)\n"
+             "    out = layer.attend(q, k, v, pos.q_pos, k_pos, attention)\n"
+             "    return layer.finish(x, out), k, v\n    # END SOLUTION\n\n\ndef kvr_layer(")
 POSITIONS_FROM_START = POSITIONS.replace("torch.arange(k.shape[-2], device=x.device)",
                                          "torch.arange(pos.start, pos.start + k.shape[-2], device=x.device)")
 NO_CUT = "reshape(hkv, n * block_size, d)[:, :length].unsqueeze(0)"

@@ -73,7 +73,7 @@ def gather_cause(gather_rows) -> str:
     if not isinstance(got, torch.Tensor):
         return f"{call} returned {type(got).__name__}, not a tensor"
     if got.dim() == 4 and got.shape[-2] != length:
-        return f"{call} returned {got.shape[-2]} rows instead of {length}{cut_hint(got.shape[-2], length)}"
+        return f"{call} returned {got.shape[-2]} rows instead of {length}{cut_hint(got, length)}"
     if got.shape != want.shape:
         return f"{call} returned shape {tuple(got.shape)} instead of {tuple(want.shape)}"
     if not torch.equal(got, want):
@@ -82,9 +82,10 @@ def gather_cause(gather_rows) -> str:
     return ""
 
 
-def cut_hint(rows: int, length: int) -> str:
-    """Why a gather returned ``rows`` rows for ``length`` tokens, when the reason is clear."""
-    if rows > length and rows % BLOCK == 0 and rows - length < BLOCK:
+def cut_hint(got, length: int) -> str:
+    """Why a gather returned ``got`` for ``length`` tokens, when the reason is clear: "" otherwise."""
+    rows = got.shape[-2] if isinstance(got, torch.Tensor) and got.dim() == 4 else None
+    if rows is not None and rows > length and rows % BLOCK == 0 and rows - length < BLOCK:
         return (f": the last block is returned whole; the sequence holds only {length} tokens, so the rows after "
                 f"row {length - 1} (not yet written) must be cut")
     return ""
@@ -227,7 +228,7 @@ def test_ex8_2_rows_in_token_order(ex08, drawn):
                                  f"(1, n_kv_heads, length, head_dim), got "
                                  f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}"
                                  f"{' ' + str(got.dtype) if isinstance(got, torch.Tensor) else ''}"
-                                 f"{cut_hint(got.shape[-2], length) if isinstance(got, torch.Tensor) and got.dim() == 4 else ''}")
+                                 f"{cut_hint(got, length)}")
         if not torch.equal(got, want):
             t = next(t for t in range(length) if not torch.equal(got[0, :, t], want[0, :, t]))
             raise AssertionError(f"{call}: row {t} is not token {t}'s, which lives in block "

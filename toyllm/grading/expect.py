@@ -203,8 +203,9 @@ def engine_cause(trace: list[dict], reference: list[tuple[torch.Tensor, torch.Te
                              "layers before it returned (the hidden states after layer.finish) already differs"
                              if layer else "; at layer 0 every key is the projection of a token with RoPE at its "
                              "position (layer.qkv with pos.cos, pos.sin)")
-                return (f"{where}: of the {got.shape[-2]} {label} it attended over, {_describe_rows(tokens, starts, rank)}"
-                        f"; it should attend over tokens {_spans(expected)} in order{ahead}")
+                return (f"{where}: of the {got.shape[-2]} {label} it attended over, "
+                        f"{_describe_rows(tokens, starts, rank)}; it should attend over tokens {_spans(expected)} "
+                        f"in order{ahead}")
             k_pos = record["k_pos"]
             if k_pos is not None and k_pos.tolist() != expected:
                 return (f"{where}: the key positions given to attend are {_spans(k_pos.tolist())}; its keys are "
