@@ -248,23 +248,56 @@ def _exercises_ran() -> set[str]:
     return ran
 
 
+_PENDING: list[tuple] = []      # (report, exercise, exercises it ran) of each failed test, noted at the end
+_NOTED: list[tuple[str, str]] = []  # (test, note) for the terminal's summary
+
+
+def _add_note(report, note: str) -> None:
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if note and crash is not None:
+        crash.message = f"{crash.message}\n{note}"
+        report.longrepr.addsection("other exercises this test ran", note)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     """In the student edition, a failed test also names the other exercises it ran that fail their own tests.
 
-    There no model answer stands in for them (``toyllm.grading.expect.neighbours_note``).
+    There no model answer stands in for them (``toyllm.grading.expect.neighbours_note``). Which those
+    are is worked out once the session ends (``pytest_sessionfinish``).
     """
     report = yield
     if answers.EDITION != "student" or report.when not in ("setup", "call"):
         return report
     ran = _exercises_ran()                      # after setup: empty, so that the call's record is its own
     if report.when == "call" and report.failed:
-        from toyllm.grading.expect import neighbours_note
+        from toyllm.grading.expect import NEIGHBOUR_ENV, ran_also
         from toyllm.grading.plugin import exercise_of
 
-        note = neighbours_note(exercise_of(item), ran)
-        crash = getattr(report.longrepr, "reprcrash", None)
-        if note and crash is not None:
-            crash.message = f"{crash.message}\n{note}"
-            report.longrepr.addsection("other exercises this test ran", note)
+        exercise = exercise_of(item)
+        if os.environ.get(NEIGHBOUR_ENV):       # this run grades a neighbour for a note: say what else it ran
+            _add_note(report, ran_also(exercise, ran))
+        elif ran - {exercise}:
+            _PENDING.append((report, exercise, ran))
     return report
+
+
+def pytest_sessionfinish(session):
+    """The student edition's notes, once every test has run: grading another exercise takes seconds, which
+    must not count against a test's time limit. The grader's log gets each noted report again (the later
+    one counts)."""
+    from toyllm.grading import plugin
+    from toyllm.grading.expect import neighbours_note
+
+    while _PENDING:
+        report, exercise, ran = _PENDING.pop(0)
+        note = neighbours_note(exercise, ran)
+        if note:
+            _add_note(report, note)
+            plugin.pytest_runtest_logreport(report)
+            _NOTED.append((report.nodeid, note))
+
+
+def pytest_terminal_summary(terminalreporter):
+    for test, note in _NOTED:
+        terminalreporter.write_line(f"{test}: {note}")

@@ -231,8 +231,6 @@ def neighbours_note(exercise: str, ran) -> str:
     is named: "this test also ran your gather_rows (Exercise 8.2), which
     fails its own tests: fix 8.2 first".
     """
-    if os.environ.get(NEIGHBOUR_ENV):
-        return ran_also(exercise, ran)
     from toyllm import answers
 
     marks = answers.answer_marks()
