@@ -204,7 +204,10 @@ def writable_folders() -> list[Path]:
         except OSError:
             return
         for entry in entries:
-            mode = entry.stat(follow_symlinks=False).st_mode
+            try:
+                mode = entry.stat(follow_symlinks=False).st_mode
+            except OSError:                # gone meanwhile, or a file system that refuses
+                continue
             if mode & stat.S_IWOTH:
                 found.add(Path(entry.path))
             elif depth > 1 and mode & stat.S_IXOTH:
