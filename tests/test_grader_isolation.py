@@ -105,6 +105,7 @@ def _reported(report, prefix: str) -> list[str]:
 
 # --------------------------------------------------------------------------- the sandbox's own user id
 
+@pytest.mark.timeout(30)
 def test_each_sandbox_gets_a_user_id_no_account_group_or_process_has():
     ids = {unused_id() for _ in range(5)}
     if None in ids:
@@ -119,6 +120,7 @@ def test_each_sandbox_gets_a_user_id_no_account_group_or_process_has():
             grp.getgrgid(uid)
 
 
+@pytest.mark.timeout(30)
 def test_every_world_writable_folder_within_reach_is_found():
     """The scan finds the conventional ones where they exist (followed through links), and only the topmost."""
     found = writable_folders()
