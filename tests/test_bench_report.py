@@ -4,6 +4,12 @@ import pytest
 from toyllm.bench import SECTIONS, render_section
 
 
+def _five(runs):
+    """Three runs as five with the same lowest, median and highest: the fewest a side the verdict rule decides from."""
+    low, mid, high = sorted(runs)
+    return [low, (low + mid) / 2, mid, (mid + high) / 2, high]
+
+
 def _prefill(tsp, kvr_best, single_2t, sdpa_single, sdpa_kvr, single_1t=8.0):
     """Prefill data as bench_prefill returns it, each configuration's runs spread +-1% around the given median."""
     from toyllm.bench import _prefill_row
@@ -11,7 +17,7 @@ def _prefill(tsp, kvr_best, single_2t, sdpa_single, sdpa_kvr, single_1t=8.0):
     from toyllm.model import get_config
 
     def runs(t):
-        return spread([t * 0.99, t, t * 1.01])
+        return spread(_five([t * 0.99, t, t * 1.01]))
 
     state = MachineState(2, 0.1, runs(1.0), runs(0.55))
     medians = {ONE_THREAD: single_1t, TWO_THREADS: single_2t, "TSP": tsp, "KVR-E": 4.0, "KVR-best": kvr_best}
@@ -35,7 +41,7 @@ def test_prefill_verdicts_are_computed_from_the_numbers():
     assert "target at 8192 tokens (KVR-best against TSP) is not met" in bad and "| 1.05x faster |" in bad
     assert "KVR keeps its lead" in bad and "One process wins" not in bad
     close = render_section("prefill", _prefill(tsp=4.2, kvr_best=4.15, single_2t=3.0, sdpa_single=1.6, sdpa_kvr=1.6))
-    assert "| tie (1.01x) |" in close and "a tie (1.01x, inside the spread of the runs)" in close
+    assert "| tie (1.01x) |" in close and "a tie (1.01x, inside the noise of the runs" in close
     assert "Neither wins beyond the spread of the rounds" in close
 
 
@@ -50,7 +56,7 @@ def test_a_run_below_the_lower_bound_it_prints_is_flagged_and_explained():
 def test_first_token_section_renders():
     from toyllm.measure import compare
 
-    verdict = compare([1.9, 2.0, 2.1], [2.9, 3.0, 3.1])
+    verdict = compare(_five([1.9, 2.0, 2.1]), _five([2.9, 3.0, 3.1]))
     data = {"threads": 2, "repeats": 3, "vocab": 49152, "rows": [
         {"name": "random", "tokens": 1024, "all_s": 3.0, "last_s": 2.0, "verdict": verdict, "head_gflop": 58.0,
          "total_gflop": 290.0}]}
@@ -138,12 +144,12 @@ def _serving(continuous_ttft, chunked_ttft, identical=True):
 
 
 def test_serving_verdicts_follow_the_rounds():
-    apart = render_section("serving", _serving([1.0, 1.1, 1.2], [0.5, 0.55, 0.6]))
+    apart = render_section("serving", _serving(_five([1.0, 1.1, 1.2]), _five([0.5, 0.55, 0.6])))
     assert "| chunked | 550.0 ms [500.0-600.0 ms] |" in apart
     assert "- TTFT p99: chunked 550.0 ms [500.0-600.0 ms] vs continuous 1.100 s [1.000-1.200 s]: chunked is 2.00x faster" \
         in apart
     assert "| chunked | 550.0 ms [500.0-600.0 ms] | 550.0 ms" in apart and "110 [100-120]" in apart
-    overlapping = render_section("serving", _serving([1.0, 1.1, 1.2], [0.9, 1.05, 1.3]))
+    overlapping = render_section("serving", _serving(_five([1.0, 1.1, 1.2]), _five([0.9, 1.05, 1.3])))
     assert "a tie" in overlapping and "faster" not in overlapping.split("Against continuous")[1].split("The disagg")[0]
     assert "under every way: yes" in apart
     assert "under every way: NO" in render_section("serving", _serving([1.0], [1.0], identical=False))
@@ -187,7 +193,7 @@ def test_generation_and_weight_cells_show_their_rounds_and_decide_from_them():
                 "round_speedups": [a / b for a, b in zip(naive.runs, cached.runs)],
                 "verdict": compare(cached, naive), "identical": True}
 
-    rows = [gen_row("tiny", [1.4, 1.5, 1.6], [0.30, 0.31, 0.32]), gen_row("bench", [11.0, 11.3, 11.5], [1.3, 1.31, 1.4])]
+    rows = [gen_row("tiny", _five([1.4, 1.5, 1.6]), _five([0.30, 0.31, 0.32])), gen_row("bench", [11.0, 11.3, 11.5], [1.3, 1.31, 1.4])]
     smol = {"prompt_len": 38, "new_tokens": 64, "ttft_s": 0.1, "tpot_s": 0.05}
     target = {**gen_row("bench", [2.0, 2.01, 2.05], [0.205, 0.21, 0.22]), "prompt_len": 64, "new_tokens": 256}
     text = render_section("generation", {"prompt_len": 64, "new_tokens": 512, "threads": 2, "repeats": 3,
@@ -216,9 +222,9 @@ def test_generation_and_weight_cells_show_their_rounds_and_decide_from_them():
                                   "products_s": 0.015, "products_runs_s": [0.015], "calls_per_step": 1200,
                                   "vs_fp32": compare(runs_s, fp32_runs), "paris": True, "same_as_fp32": True}, 23.66e9)
 
-    fp32 = [0.060, 0.059, 0.061]
-    weights = [fmt_row("fp32", fp32, fp32), fmt_row("fp16", [0.023, 0.0225, 0.024], fp32),
-               fmt_row("bf16", [0.058, 0.062, 0.060], fp32)]
+    fp32 = _five([0.060, 0.059, 0.061])
+    weights = [fmt_row("fp32", fp32, fp32), fmt_row("fp16", _five([0.023, 0.0225, 0.024]), fp32),
+               fmt_row("bf16", _five([0.058, 0.062, 0.060]), fp32)]
     text = render_section("weights", {"bandwidth_bytes_per_s": 23.66e9, "threads": 2, "prompt_len": 37, "new_tokens": 32,
                                       "rounds": 3, "attention": "dense", "rows": weights, "best": weights[1],
                                       "at_floor": [], "capability": "AVX2", "floor_target": 0.65})
@@ -294,21 +300,23 @@ def test_search_section_shows_what_key_counts_off_a_multiple_of_8_cost():
     d = _search([0.08, -0.03])
     d["cm"] = d["cm"].with_(attn_unaligned_s_per_dot=5e-9, allgather_bandwidth_bytes_per_s=1.2e9,
                             allgather_latency_s=1.5e-3)
-    per_pair = {4096: [3.0e-9, 3.1e-9, 3.2e-9], 4098: [4.4e-9, 4.5e-9, 4.6e-9], 4104: [3.0e-9, 3.4e-9, 3.5e-9]}
+    per_pair = {S: _five(r) for S, r in {4096: [3.0e-9, 3.1e-9, 3.2e-9], 4098: [4.4e-9, 4.5e-9, 4.6e-9],
+                                         4104: [3.0e-9, 3.4e-9, 3.5e-9]}.items()}
     d["scores_alignment"] = [{"keys": S, "queries": 2048, "aligned": S % 8 == 0, "per_pair": spread(r),
                               "reference": 4096 if S < 4104 else 4104,
                               "vs_reference": None if S % 8 == 0 else compare(per_pair[4096], r)}
                              for S, r in per_pair.items()]
     d["ragged"] = {"chunks": [5734, 2458], "aligned_chunks": [5736, 2456], "sim": {"ragged": 3.9, "aligned": 3.5},
-                   "verdict": compare([3.6, 3.64, 3.7], [4.05, 4.1, 4.2])}
+                   "verdict": compare(_five([3.6, 3.64, 3.7]), _five([4.05, 4.1, 4.2]))}
     text = render_section("search", d)
     assert "25.000 ns per query-key pair, 5.000 ns more (+20%) when the rank's key count is not a multiple of 8" in text
     assert "| 4096 | yes | 3.10 [3.00-3.20] | - |" in text
     assert "| 4098 | no | 4.50 [4.40-4.60] | 4096 keys: 1.45x as costly per pair |" in text
     assert "| 4104 | yes | 3.40 [3.00-3.50] | - |" in text
     assert ("In a real run at 8192 tokens, the table's last split and its nearest neighbour with a boundary that "
-            "is a multiple of 8 took turns for 3 rounds: KVR [5736, 2456] 3.640 s [3.600-3.700 s] vs KVR [5734, 2458] "
-            "4.100 s [4.050-4.200 s]: KVR [5736, 2456] is 1.13x faster. The fitted model gives 3.500 s and 3.900 s.") in text
+            "is a multiple of 8 took turns for 5 rounds: KVR [5736, 2456] 3.640 s [3.600-3.700 s] vs KVR [5734, 2458] "
+            "4.100 s [4.050-4.200 s]: KVR [5736, 2456] is 1.13x faster (5 rounds, p = 0.0079). The fitted model gives "
+            "3.500 s and 3.900 s.") in text
     gather_ms, message_ms = (4194304 / 1.2e9 + 1.5e-3) * 1e3, (4194304 / 4.3e9 + 60e-6) * 1e3
     assert (f"one ring step costs 1.20 GB/s + 1500 us. A 4 MB piece (2048 tokens of this preset's K and V) then "
             f"takes {gather_ms:.2f} ms, against {message_ms:.2f} ms as one message. The simulator charges TSP this.") in text

@@ -56,7 +56,7 @@ def test_a_shipped_cache_arrives_bit_for_bit_and_decodes_the_same_tokens(model, 
     assert r.transfer_bytes == transfer_bytes(model.config, len(IDS), 4) == 2 * 2 * 2 * 16 * 40 * 4
     assert r.layout == "per_layer" and r.messages == model.config.n_layers
     assert len(r.transfer_runs) == len(r.recompute_runs) == len(r.prefill_runs) == 2
-    assert len(r.decode_step_s) == 5 and r.verdict.word in ("faster", "slower", "tie")
+    assert len(r.decode_step_s) == 5 and r.verdict.word == "undecided"          # 2 rounds cannot decide
 
 
 @pytest.mark.needs("8.4", "5.2")

@@ -173,16 +173,17 @@ def test_decode_bytes_per_token_counts_weights_embedding_row_and_kv():
 def test_the_weights_and_batched_sections_render_their_verdicts_from_the_numbers():
     from toyllm.bench import add_floor_figures, render_section
     from toyllm.bench_decode import BLOG_TOY
+    from test_bench_report import _five
     from toyllm.measure import compare, spread
 
-    fp32_runs = [0.099, 0.101]                   # seconds per token, round by round
+    fp32_runs = [0.099, 0.0995, 0.100, 0.1005, 0.101]    # seconds per token, round by round
     rows = [add_floor_figures({"format": f, "kernel": "k", "bytes_per_token": b, "linear_bytes": b, "tokens_per_s": t,
                                "runs_s": r, "products_s": ps, "products_runs_s": [ps * 0.98, ps * 1.02],
                                "calls_per_step": 1000, "vs_fp32": compare(r, fp32_runs), "paris": p, "same_as_fp32": p},
                               1e9)
             for f, b, t, r, ps, p in [("fp32", 5.4e8, 10.0, fp32_runs, 0.08, True),
-                                      ("bf16", 2.7e8, 15.0, [0.0658, 0.0671], 0.05, True),
-                                      ("int8", 1.4e8, 30.0, [0.033, 0.0337], 0.02, False)]]
+                                      ("bf16", 2.7e8, 15.0, _five([0.0658, 0.06645, 0.0671]), 0.05, True),
+                                      ("int8", 1.4e8, 30.0, _five([0.033, 0.03335, 0.0337]), 0.02, False)]]
     weights = {"bandwidth_bytes_per_s": 1e9, "threads": 2, "prompt_len": 37, "new_tokens": 16, "rounds": 2,
                "attention": "dense", "rows": rows, "best": rows[1], "at_floor": ["fp32", "bf16", "int8"],
                "capability": "AVX512", "floor_target": 0.65}
@@ -233,10 +234,10 @@ def test_the_weights_and_batched_sections_render_their_verdicts_from_the_numbers
 
     def other(cache, cached_runs, copies):
         return {**against(cache, spread([3.0, 2.9, 3.3]), cached_runs), "copies": copies,
-                "against_blog": compare(cached_runs, [0.25, 0.24, 0.26])}
+                "against_blog": compare(_five(cached_runs), _five([0.25, 0.24, 0.26]))}
 
     gaps = [0, 4, 198]
-    runs = [spread([0.0068, 0.0070, 0.0072]), spread([0.0100, 0.0101, 0.0104]), spread([0.0155, 0.0160, 0.0170])]
+    runs = [spread(_five(r)) for r in ([0.0068, 0.0070, 0.0072], [0.0100, 0.0101, 0.0104], [0.0155, 0.0160, 0.0170])]
     text = batched([3.0, 2.9, 3.3], [0.25, 0.24, 0.26], copies=99,
                    other_caches=[other("dynamic, headroom=4", [0.14, 0.13, 0.15], 19),
                                  other("static", [0.30, 0.29, 0.31], 0)],
@@ -248,16 +249,16 @@ def test_the_weights_and_batched_sections_render_their_verdicts_from_the_numbers
     assert "- dynamic, headroom=4: 21.43x (the medians), met in every round." in text
     assert "- static: 10.00x (the medians), missed in every round." in text
     assert "- `dynamic, headroom=4` 140.0 ms [130.0-150.0 ms] vs the blog's cache 250.0 ms [240.0-260.0 ms]: " \
-           "`dynamic, headroom=4` is 1.79x faster." in text
+           "`dynamic, headroom=4` is 1.79x faster (5 rounds, p = 0.0079)." in text
     assert "- `static` 300.0 ms [290.0-310.0 ms] vs the blog's cache 250.0 ms [240.0-260.0 ms]: `static` is 1.20x " \
-           "slower." in text
+           "slower (5 rounds, p = 0.0079)." in text
     assert "The fastest cache here was dynamic, headroom=4, 21.43x faster than recomputing" in text
     assert "| rows between sequences | 0 | 4 | 198 |" in text
     assert "| both products (ms) | 7.0 [6.8-7.2] | 10.1 [10.0-10.4] | 16.0 [15.5-17.0] |" in text
     assert "slots of 298 rows leave 198 at this length" in text and "one decode step at 100 cached tokens" in text
     assert "0 rows apart 7.0 ms [6.8-7.2 ms] vs 198 rows apart 16.0 ms [15.5-17.0 ms]: 0 rows apart is 2.29x " \
-           "faster. So the static cache saves the copies" in text
-    tie = [spread([0.0068, 0.0070, 0.0072])] * 3
+           "faster (5 rounds, p = 0.0079). So the static cache saves the copies" in text
+    tie = [spread(_five([0.0068, 0.0070, 0.0072]))] * 3
     text = batched([3.0, 2.9, 3.3], [0.25, 0.24, 0.26], other_caches=[other("static", [0.30, 0.29, 0.31], 0)],
                    products={"cached_tokens": 100, "capacity": 298, "gaps": gaps, "runs": tie,
                              "verdict": compare(tie[0], tie[-1])})

@@ -3,16 +3,20 @@
 ``toyllm.measure.Verdict.sentence`` prints both medians with the range of
 their runs and then its decision. ``verdict_problems`` finds every such
 sentence in a lesson's output and checks the decision against the printed
-ranges alone, the way a reader would:
+numbers, the way a reader would (the rule is ``toyllm.measure.compare``'s):
 
-- "faster" / "slower" only where the two ranges do not overlap, on the side
-  the medians say, and with medians more than 1 percent apart;
-- "a tie" only where the ranges overlap or the medians are within 1 percent;
-- "undecided" only where a side printed a single run.
+- "faster" / "slower" only with a printed p of the rank test at most 0.01
+  that the printed numbers of runs can give (at least 2 / C(n + m, n)), on
+  the side the medians say, and with medians more than 1 percent apart;
+- "a tie" only where p is above 0.01 or the medians are within 1 percent,
+  and only with enough runs for a verdict to have been possible;
+- "undecided" only where the printed numbers of runs are too few for any
+  outcome to reach p = 0.01 (fewer than 5 a side; a single run always).
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import subprocess
 import sys
@@ -31,6 +35,9 @@ SPREAD = (rf"(?P<{{p}}med>{_NUMBER}) (?P<{{p}}mu>ms|s) (?:\[(?P<{{p}}lo>{_NUMBER
           rf"(?P<{{p}}hi>{_NUMBER}) (?P<{{p}}hu>ms|s)\]|(?P<{{p}}one>\(1 run\)))")
 SENTENCE = re.compile(SPREAD.format(p="a") + r" vs [^\n]*?" + SPREAD.format(p="b") +
                       r": (?P<rest>[^\n]*)")
+# "(5 rounds, p = 0.0079)", "(4 and 7 runs, p = 0.012)", "(4 rounds; a verdict needs 5)"
+ROUNDS = re.compile(r"(?P<n>\d+)(?: and (?P<m>\d+))? (?:rounds|runs)(?:, p = (?P<p>[0-9.e-]+)|; a verdict needs)")
+ALPHA = 0.01
 
 
 def _side(m: re.Match, p: str) -> tuple[float, float, float, bool]:
@@ -42,26 +49,41 @@ def _side(m: re.Match, p: str) -> tuple[float, float, float, bool]:
     return med, low, float(m[p + "hi"]) * UNITS[m[p + "hu"]], False
 
 
+def _min_p(n: int, m: int) -> float:
+    """The smallest two-sided p of an exact rank test with n runs against m: 2 / C(n + m, n)."""
+    return min(1.0, 2 / math.comb(n + m, n))
+
+
 def verdict_problems(text: str, min_effect: float = 0.01) -> list[str]:
     """One line for each printed verdict that its own printed numbers do not support (empty: all agree)."""
     problems = []
     for m in SENTENCE.finditer(text):
-        (a, a_lo, a_hi, a_one), (b, b_lo, b_hi, b_one) = _side(m, "a"), _side(m, "b")
+        (a, _, _, a_one), (b, _, _, b_one) = _side(m, "a"), _side(m, "b")
         rest, line = m["rest"], m[0]
         apart = abs(b / a - 1) > min_effect if a > 0 else True
-        if rest.startswith("undecided"):
-            ok = a_one or b_one
-        elif a_one or b_one:
-            ok = False                                 # one run shows no spread: nothing can be decided
-        elif " is " in rest and "x faster" in rest:
-            ok = a_hi < b_lo and a < b and apart
-        elif " is " in rest and "x slower" in rest:
-            ok = a_lo > b_hi and a > b and apart
-        elif rest.startswith("a tie"):
-            ok = not (a_hi < b_lo or a_lo > b_hi) or not apart
-        else:
-            problems.append(f"a verdict this checker cannot read: {line!r}")
+        rounds = ROUNDS.search(rest)
+        if a_one or b_one:
+            ok = rest.startswith("undecided")          # one run shows no spread: nothing can be decided
+        elif rounds is None:
+            problems.append(f"a verdict that does not say its numbers of runs: {line!r}")
             continue
+        else:
+            n = int(rounds["n"])
+            possible = _min_p(n, int(rounds["m"] or n)) <= ALPHA
+            p = float(rounds["p"]) if rounds["p"] else math.nan
+            # p prints with 2 significant digits: allow its rounding against the smallest p
+            reachable = possible and p >= 0.95 * _min_p(n, int(rounds["m"] or n))
+            if rest.startswith("undecided"):
+                ok = not possible
+            elif " is " in rest and "x faster" in rest:
+                ok = reachable and p <= ALPHA and a < b and apart
+            elif " is " in rest and "x slower" in rest:
+                ok = reachable and p <= ALPHA and a > b and apart
+            elif rest.startswith("a tie"):
+                ok = reachable and (p > ALPHA or not apart)
+            else:
+                problems.append(f"a verdict this checker cannot read: {line!r}")
+                continue
         if not ok:
             problems.append(f"the printed runs do not support the verdict: {line!r}")
     return problems

@@ -8,10 +8,19 @@ comparison of timings goes through this module:
 - ``interleaved_runs`` times several things in turns (a, b, c, a, b, c, ...),
   so that a slow spell of the machine hits all of them alike;
 - ``compare`` decides from the runs of two things whether one is faster,
-  slower, or whether they tie: only when *every* run of one took less time
-  than *every* run of the other, and the medians differ by more than 1
-  percent, is there a winner. ``Verdict.sentence`` prints both medians
-  with the range of their runs beside the decision, so a reader can check it;
+  slower, or whether they tie, by a rule with a stated false-verdict rate:
+  a two-sided Mann-Whitney U test on the runs, exact for every number of
+  runs (its null distribution counted, not approximated), must reject "the
+  two are the same" at ``ALPHA`` = 0.01, *and* the medians must differ by
+  more than ``MIN_EFFECT`` (1 percent). On pure noise (two samples of the
+  same distribution, any spread, any number of runs) "faster" or "slower"
+  then comes out at most 1% of the time; the effect rule only lowers that.
+  Below 5 runs a side no outcome can reach p <= 0.01 (4 against 4: every
+  run of one below every run of the other still has p = 2 / C(8, 4) =
+  0.029), so ``compare`` says "undecided (4 rounds; a verdict needs 5)"
+  rather than "a tie". ``Verdict.sentence`` prints both medians with the
+  range of their runs, the number of runs and p beside the decision, so a
+  reader can check it;
 - ``check_machine`` looks at the machine before anything is timed: the load
   average against the cores this process may use, and whether two threads
   beat one on a small matmul. ``one_process_baseline`` picks, from measured
@@ -22,6 +31,7 @@ All times are in seconds. Nothing here asserts on a timing.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import statistics
@@ -29,11 +39,56 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-# Medians within 1 percent are a tie even when the runs do not overlap: closer than that, a difference
-# is smaller than what moves between two series of runs on an ordinary machine.
+# Medians within 1 percent are a tie even when the rank test rejects: closer than that, a difference is
+# smaller than what moves between two series of runs on an ordinary machine.
 MIN_EFFECT = 0.01
+# The rank test's significance: on pure noise, "faster" or "slower" comes out at most this often.
+ALPHA = 0.01
 # The words a verdict may have, from the point of view of the thing measured against a baseline.
 WORDS = ("faster", "slower", "tie", "undecided")
+
+
+@functools.lru_cache(maxsize=256)
+def _u_counts(n: int, m: int) -> tuple[int, ...]:
+    """How many of the C(n + m, n) orderings of n runs against m runs give each U = 0, 1, ..., n m
+    (U: the pairs in which the first side's run is the lower). Counted exactly: the orderings
+    ending in a run of the first side add m to U, those ending in one of the second side add nothing."""
+    if n == 0 or m == 0:
+        return (1,)
+    last_first, last_second = _u_counts(n - 1, m), _u_counts(n, m - 1)
+    counts = [0] * (n * m + 1)
+    for u, c in enumerate(last_first):
+        counts[u + m] += c
+    for u, c in enumerate(last_second):
+        counts[u] += c
+    return tuple(counts)
+
+
+def rank_test_p(ours: Sequence[float], base: Sequence[float]) -> float:
+    """Two-sided p of the exact Mann-Whitney U test: how often two samples of one distribution,
+    of these sizes, are at least as far apart in rank as ``ours`` and ``base`` are.
+
+    U counts the pairs (a run of ours, a run of base) in which ours took less
+    time, a tie between two runs counting a half. Ties make the exact
+    distribution wider than the one counted here; U is rounded towards its
+    middle, so that a tie never makes p smaller.
+    """
+    n, m = len(ours), len(base)
+    u = sum(1.0 if a < b else 0.5 if a == b else 0.0 for a in ours for b in base)
+    far = math.ceil(max(u, n * m - u))             # as far from the middle as u, or farther (either side)
+    counts = _u_counts(n, m)
+    return min(1.0, 2 * sum(counts[far:]) / math.comb(n + m, n))
+
+
+def min_p(n: int, m: int) -> float:
+    """The smallest two-sided p the rank test can give with n runs against m: every run of one side
+    below every run of the other, 2 / C(n + m, n)."""
+    return min(1.0, 2 / math.comb(n + m, n))
+
+
+def runs_needed(alpha: float = ALPHA) -> int:
+    """The fewest runs a side (equal sides) with which some outcome reaches ``alpha``: 5 for 0.01."""
+    return next(n for n in range(1, 100) if min_p(n, n) <= alpha)
 
 
 def format_seconds(s: float, extra_digits: int = 0) -> str:
@@ -100,15 +155,27 @@ def spread(runs: Sequence[float] | Spread) -> Spread:
 class Verdict:
     """How one measurement compares with a baseline, decided from their runs (see ``compare``)."""
 
-    word: str          # "faster", "slower", "tie" or "undecided" (fewer than two runs on a side)
+    word: str          # "faster", "slower", "tie" or "undecided" (too few runs for the rank test to decide)
     ratio: float       # median(baseline) / median(ours): above 1 means ours took less time
     ours: Spread
     base: Spread
+    p: float = 1.0     # two-sided p of the exact rank test on the runs (``rank_test_p``)
 
     @property
     def decided(self) -> bool:
-        """True for "faster" and "slower": the runs do not overlap and the medians differ enough."""
+        """True for "faster" and "slower": the rank test rejects at ALPHA and the medians differ enough."""
         return self.word in ("faster", "slower")
+
+    @property
+    def _rounds(self) -> str:
+        """ "5 rounds" or, sides unequal, "3 and 7 runs". """
+        n, m = len(self.ours.runs), len(self.base.runs)
+        return f"{n} rounds" if n == m else f"{n} and {m} runs"
+
+    @property
+    def _undecided(self) -> str:
+        """Why nothing was decided: "4 rounds; a verdict needs 5". """
+        return f"{self._rounds}; a verdict needs {runs_needed()}"
 
     @property
     def than(self) -> str:
@@ -118,56 +185,62 @@ class Verdict:
         if self.word == "slower":
             return f"{1 / self.ratio:.2f}x slower than"
         if self.word == "tie":
-            return f"as fast ({self.ratio:.2f}x, inside the spread of the runs) as"
-        return f"not comparable from a single run ({self.ratio:.2f}x) with"
+            return f"as fast ({self.ratio:.2f}x, inside the noise of the runs, p = {self.p:.2g}) as"
+        return f"not comparable ({self.ratio:.2f}x from {self._undecided}) with"
 
     @property
     def _digits(self) -> int:
-        """Extra decimals a sentence needs so that a reader sees what decided it: for "faster" or
-        "slower", the two ranges and the two medians print apart (1.8 ms [1.8-2.0 ms] vs 1.8 ms
-        [1.7-1.8 ms] would hide a decided difference that 1.83 ms [1.81-1.95 ms] shows)."""
+        """Extra decimals a sentence needs so that a reader sees the medians of a "faster" or "slower"
+        apart on the side the verdict says (1.8 ms vs 1.8 ms would hide a decided difference)."""
         if not self.decided:
             return 0
         slow, fast = (self.ours, self.base) if self.word == "slower" else (self.base, self.ours)
         return next((extra for extra in range(4)
-                     if _as_printed(fast.high, extra) < _as_printed(slow.low, extra)
-                     and _as_printed(fast.median, extra) < _as_printed(slow.median, extra)), 4)
+                     if _as_printed(fast.median, extra) < _as_printed(slow.median, extra)), 4)
 
     def sentence(self, ours: str, base: str) -> str:
-        """One line with both medians, the ranges of their runs and the decision.
+        """One line with both medians, the ranges of their runs, the rank test and the decision.
 
-        "KVR 0.41 s [0.40-0.43 s] vs TSP 0.50 s [0.49-0.52 s]: KVR is 1.22x faster"
+        "KVR 0.41 s [0.40-0.43 s] vs TSP 0.50 s [0.49-0.52 s]: KVR is 1.22x faster (5 rounds, p = 0.0079)"
         """
         numbers = f"{ours} {self.ours.format(self._digits)} vs {base} {self.base.format(self._digits)}"
+        test = f"{self._rounds}, p = {self.p:.2g}"
         if self.word == "faster":
-            return f"{numbers}: {ours} is {self.ratio:.2f}x faster"
+            return f"{numbers}: {ours} is {self.ratio:.2f}x faster ({test})"
         if self.word == "slower":
-            return f"{numbers}: {ours} is {1 / self.ratio:.2f}x slower"
+            return f"{numbers}: {ours} is {1 / self.ratio:.2f}x slower ({test})"
         if self.word == "tie":
-            return f"{numbers}: a tie ({self.ratio:.2f}x, inside the spread of the runs)"
-        return f"{numbers}: undecided (one run cannot show its spread)"
+            return f"{numbers}: a tie ({self.ratio:.2f}x, inside the noise of the runs: {test})"
+        return f"{numbers}: undecided ({self._undecided})"
 
 
-def compare(ours: Sequence[float] | Spread, base: Sequence[float] | Spread, *, min_effect: float = MIN_EFFECT) -> Verdict:
+def compare(ours: Sequence[float] | Spread, base: Sequence[float] | Spread, *, min_effect: float = MIN_EFFECT,
+            alpha: float = ALPHA) -> Verdict:
     """Is ``ours`` faster than ``base``? Both are runs in seconds (lower is better).
 
-    "faster" when every run of ours took less time than every run of base
-    and the medians differ by more than ``min_effect`` (a fraction);
-    "slower" the other way round; "tie" when the ranges of the runs overlap
-    or the medians are that close; "undecided" when a side has a single
-    run, which shows no spread to judge the difference by.
+    "faster" when the exact two-sided Mann-Whitney U test on the runs gives
+    p <= ``alpha`` with ours the lower in rank, and the medians differ by
+    more than ``min_effect`` (a fraction) the same way; "slower" the other
+    way round; "tie" otherwise. "undecided" when the sides have so few runs
+    that no outcome could reach ``alpha`` (with 0.01: fewer than 5 a side;
+    one run is never enough). On two samples of one distribution "faster"
+    or "slower" comes out at most ``alpha`` of the time, whatever the number
+    of runs: the test's own false-verdict rate.
     """
     a, b = spread(ours), spread(base)
     ratio = b.median / a.median if a.median > 0 else math.inf
-    if len(a.runs) < 2 or len(b.runs) < 2:
-        word = "undecided"
-    elif a.high < b.low and ratio > 1 + min_effect:
+    n, m = len(a.runs), len(b.runs)
+    if min_p(n, m) > alpha:
+        return Verdict("undecided", ratio, a, b)
+    p = rank_test_p(a.runs, b.runs)
+    lower = sum(x < y for x in a.runs for y in b.runs) > sum(x > y for x in a.runs for y in b.runs)
+    if p <= alpha and lower and ratio > 1 + min_effect:
         word = "faster"
-    elif a.low > b.high and ratio < 1 / (1 + min_effect):
+    elif p <= alpha and not lower and ratio < 1 / (1 + min_effect):
         word = "slower"
     else:
         word = "tie"
-    return Verdict(word, ratio, a, b)
+    return Verdict(word, ratio, a, b, p)
 
 
 def interleaved_runs(fns: dict[str, Callable[[], float | None]], rounds: int, warmup: int = 1) -> dict[str, list[float]]:
