@@ -98,18 +98,25 @@ def test_missing_numbers_are_an_error_not_a_blank():
         render_section("first_token", {"threads": 2})
 
 
-def test_a_difference_within_one_percent_is_called_a_tie():
-    from toyllm.bench import _than
+def test_a_table_cell_says_what_measure_decided():
+    from toyllm.bench import _short
+    from toyllm.measure import compare
 
-    assert _than(1.427 / 1.420) == "as fast (1.005x) as"
-    assert _than(0.995) == "as fast (0.995x) as"
-    assert _than(1.2) == "1.20x faster than" and _than(0.8) == "1.25x slower than"
+    close = compare(_five([1.419, 1.420, 1.421]), _five([1.426, 1.427, 1.428]))      # apart, but within 1%
+    assert close.word == "tie" and _short(close) == "tie (1.00x)"
+    assert _short(compare(_five([1.0, 1.01, 1.02]), _five([1.2, 1.212, 1.22]))) == "1.20x faster"
+    assert _short(compare(_five([1.2, 1.212, 1.22]), _five([1.0, 1.01, 1.02]))) == "1.20x slower"
+    assert _short(compare([1.0, 1.01, 1.02], [1.2, 1.212, 1.22])) == "undecided (1.20x)"    # 3 rounds: too few
 
 
 def _decode_step(speedup):
+    from toyllm.measure import compare
+
+    eager = _five([0.049, 0.050, 0.051])
     compile_ = {"eager": {"ok": True, "step_s": 0.050, "speedup": 1.0},
                 "whole": {"ok": False, "reason": "NameError: name 's0' is not defined"},
-                "parts": {"ok": True, "compile_s": 9.0, "step_s": 0.050 / speedup, "speedup": speedup}}
+                "parts": {"ok": True, "compile_s": 9.0, "step_s": 0.050 / speedup, "speedup": speedup,
+                          "verdict": compare([t / speedup for t in eager], eager)}}
     row = {"format": "fp32", "step_s": 0.050, "top_level_calls": 1997.0, "all_calls": 6500.0,
            "bytes_allocated": 2.07e6, "matmul_share": 0.85, "compile": compile_,
            "top": [{"op": "aten::mm", "calls": 211.0, "share": 0.83}, {"op": "aten::bmm", "calls": 60.0, "share": 0.02},

@@ -546,20 +546,12 @@ ATTENTION_BENCH_SPLITS = (0.5, 0.707)        # rank 0's share of the context for
 
 
 def interleaved_medians(fns: dict, repeats: int) -> dict:
-    """Median seconds of each ``fn()``, one warm-up each, then timed in turns (a, b, c, a, b, c, ...).
+    """Median seconds of each ``fn()`` over ``repeats`` rounds in turns after a warm-up round
+    (``measure.interleaved_runs``): a slow spell of a shared machine hits every kernel alike,
+    so their ratios hold even when the absolute times drift."""
+    from .measure import interleaved_runs
 
-    Taking turns makes a slow spell of a shared machine hit every kernel alike,
-    so their ratios hold even when the absolute times drift.
-    """
-    runs = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            runs[name].append(time.perf_counter() - t)
-    return {name: statistics.median(r) for name, r in runs.items()}
+    return {name: statistics.median(r) for name, r in interleaved_runs(fns, repeats, warmup=1).items()}
 
 
 @contextmanager
@@ -798,26 +790,15 @@ def _progress(row: dict) -> None:
           flush=True)
 
 
-def _than(ratio: float) -> str:
-    """1.32 -> "1.32x faster than", 0.8 -> "1.25x slower than", 1.005 -> "as fast as (1.005x)"
-    (a ratio of baseline time to our time; within 1 percent is a tie, not a win)."""
-    if abs(ratio - 1) < 0.01:
-        return f"as fast ({ratio:.3f}x) as"
-    return f"{ratio:.2f}x faster than" if ratio >= 1 else f"{1 / ratio:.2f}x slower than"
-
-
 def _runs(s) -> str:
     """A Spread as a table cell in seconds: "0.512 [0.498-0.530]" (median, fastest and slowest run)."""
     return f"{s.median:.3f}" if len(s.runs) == 1 else f"{s.median:.3f} [{s.low:.3f}-{s.high:.3f}]"
 
 
 def _short(v) -> str:
-    """A Verdict as a table cell: "1.32x faster", "1.25x slower", "tie (1.02x)"."""
-    if v.word == "faster":
-        return f"{v.ratio:.2f}x faster"
-    if v.word == "slower":
-        return f"{1 / v.ratio:.2f}x slower"
-    return f"{v.word} ({v.ratio:.2f}x)"
+    """A Verdict as a table cell: "1.32x faster", "1.25x slower", "tie (1.02x)", "undecided (1.30x)"
+    (``Verdict.than`` without the baseline's name)."""
+    return v.than.removesuffix(" than") if v.decided else f"{v.word} ({v.ratio:.2f}x)"
 
 
 def _verdict(value: float, target: float) -> str:
@@ -839,7 +820,7 @@ def _template():
 
     env = jinja2.Environment(loader=jinja2.PackageLoader("toyllm", "templates"), undefined=jinja2.StrictUndefined,
                              trim_blocks=False, keep_trailing_newline=True)
-    env.filters.update(than=_than, verdict=_verdict, rounds_verdict=_rounds_verdict, median=statistics.median,
+    env.filters.update(verdict=_verdict, rounds_verdict=_rounds_verdict, median=statistics.median,
                        runs=_runs, short=_short)
     return env.get_template("benchmarks.md.j2")
 

@@ -308,4 +308,5 @@ def compile_trial(model, prompt_len: int = 38, steps: int = 16, rounds: int = 3)
     for way in ways:
         result[way]["step_s"] = statistics.median(times[way])
         result[way]["speedup"] = eager_s / result[way]["step_s"]
+        result[way]["verdict"] = compare(times[way], times["eager"])     # decided from the rounds, not the ratio
     return result
