@@ -299,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
     f = sub.add_parser("prefill", help="prefill a random prompt on one or several processes (single, tsp, kvr)",
-                       description="Run under torchrun too: torchrun --nproc-per-node=P -m toyllm prefill ...")
+                       description="Run under torchrun too: torchrun --nproc-per-node=P -m toyllm prefill ... "
+                                   "(there without --world-size, --force, --decode, --bandwidth and --balance)")
     f.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model preset")
     f.add_argument("--context", type=int, required=True, help="prompt length in tokens")
     f.add_argument("--method", choices=list(PREFILL_METHODS), default="kvr")

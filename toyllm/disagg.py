@@ -273,8 +273,10 @@ def ship_kv_cache(spec: ModelSpec | str, ids: list[int], decode_tokens: int = 8,
     rounds of shipping and recomputing, in turns, after ``warmup`` untimed
     ones. timeout_s: wall-clock limit in seconds for each group of
     processes; a rank that fails stops the run with its traceback
-    (``toyllm.launch.WorkerError``). The greedy tokens equal one-process
-    ``generate``: the cache arrives bit for bit.
+    (``toyllm.launch.WorkerError``). The cache arrives exactly as the prefill
+    worker computed it: from one process, the one-process cache; from
+    "tsp" or "kvr", that cache up to float32 rounding. Either way the greedy
+    tokens equal one-process ``generate``.
     """
     spec = ModelSpec(spec) if isinstance(spec, str) else spec
     ids = [int(t) if not isinstance(t, bool) and hasattr(t, "__index__") else t for t in ids]
@@ -309,12 +311,12 @@ def ship_kv_cache(spec: ModelSpec | str, ids: list[int], decode_tokens: int = 8,
 # --------------------------------------------------------------------------- simulated links
 
 # The links of lesson 07, in bytes per second (GB/s = 1e9 bytes/s). Assumed figures, not measurements
-# of any machine, except that loopback gloo was measured at about 0.6 GB/s on a small shared VM.
+# of any machine: a loopback link is measured where it is used (``ShippingResult.bandwidth_bytes_per_s``,
+# ``toyllm.parallel.measure_link``), since it depends on the CPU and its load.
 LINKS = {
     "NVLink-like, 300 GB/s": 300e9,      # a100_like's default
     "10 GB/s (~100 Gb Ethernet)": 10e9,  # the paper's slow network
     "1 GB/s (~10 Gb Ethernet)": 1e9,
-    "loopback gloo, ~0.6 GB/s": 0.6e9,
     "0.1 GB/s": 0.1e9,
 }
 

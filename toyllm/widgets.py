@@ -363,8 +363,10 @@ class CoverageExplorer(_Explorer):
         self.chunks = [a, b - a, self.context - b]
         self.dots = dot_products(self.chunks, self.method.value)
         self.text.value = (f"chunks {self.chunks}: dot products per rank {self.dots}; the last rank produces the "
-                           f"first token, and it needs every rank's keys and values layer by layer, so the busiest "
-                           f"rank ({max(self.dots)}) bounds the time to first token from below")
+                           f"first token, and in every layer it waits for the keys and values of every earlier "
+                           f"rank, so the first token comes no earlier than the busiest rank ({max(self.dots)}) has "
+                           f"done all its work but its last layer's attention and MLP (those it may still be "
+                           f"running after the first token is out)")
         if self.plot:
             self._show(viz.plot_coverage(self.chunks, self.method.value))
 

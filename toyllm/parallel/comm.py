@@ -6,7 +6,7 @@
 - ``Chain`` (KV-Runahead): point-to-point links to the neighbours. ``recv``
   and ``send`` block; ``irecv`` posts a receive and returns a handle to
   ``wait()`` on later, ``isend`` queues a send and only waits for the
-  previous one (its buffer must not be reused before it is delivered).
+  previous one to be delivered (one message in flight per link).
 
 Both record what they do on the rank's ``Timeline`` (all-gathers, waits,
 sends) and can act out a slower network with a ``LinkModel``, so the
@@ -14,8 +14,13 @@ algorithms in ``toyllm.parallel.steps`` stay free of that bookkeeping. Like
 ring-flash-attention's RingComm, they hide ``send/recv/wait`` behind a few
 verbs the algorithm reads naturally.
 
-The simulated link is applied on the receiving side: a message sent at time
-t is not handed over before t + bytes / bandwidth + latency (+ noise). The
+The simulated link acts as ``toyllm.simulate`` models it. The sender draws a
+message's modelled time once, bytes / bandwidth + latency (times the
+noise), and sends its delivery time, t_sent + that, with the data; the
+receiver does not hand the message over before then, and the sender's next
+message on that link does not leave before then either (a blocking send
+returns only then). Each wait is for the later of the real transfer and the
+modelled one, so a modelled link slower than the real one replaces it. The
 sender's clock travels with the data, so the link model is for runs on one
 machine (one clock) only.
 """
@@ -142,15 +147,16 @@ class Chain(_Comm):
         self.dtype, self.device = dtype, device
         self.has_prev, self.has_next = rank > 0, rank < len(chunks) - 1
         self._sending: list = []     # requests of the send in flight
+        self._delivery = 0.0         # its modelled delivery time (a perf_counter value; 0: none modelled)
 
     # ---------------------------------------------------------------- receiving
     def _buffers(self):
-        stamp = torch.zeros(1, dtype=torch.float64)      # the sender's clock, for the simulated link
+        stamp = torch.zeros(1, dtype=torch.float64)      # the modelled delivery time, on the sender's clock
         return stamp, torch.empty(self.prefix_shape, dtype=self.dtype, device=self.device)
 
     def _arrived(self, stamp, buf):
         if self.link is not None:
-            self._hold_until(stamp.item() + self.link.transfer_s(nbytes(buf), self.rank - 1, self.rank, self.rng))
+            self._hold_until(stamp.item())
         return buf[0], buf[1]
 
     def irecv(self) -> _Incoming | None:
@@ -182,14 +188,19 @@ class Chain(_Comm):
                                  f"{tuple(t.shape)}, expected (batch, kv heads, s_{r} + c_{r} = {s} + {c}, "
                                  f"head_dim) = {self.send_shape}: is the prefix you pass on the grown one "
                                  "(what you received plus your own keys), not just your own?")
-        return torch.tensor([time.perf_counter()], dtype=torch.float64), torch.stack([k, v]).contiguous()
+        kv = torch.stack([k, v]).contiguous()
+        delivery = time.perf_counter()
+        if self.link is not None:              # one draw per message: the receiver holds it until the same time
+            delivery += self.link.transfer_s(nbytes(kv), self.rank, self.rank + 1, self.rng)
+        self._delivery = delivery
+        return torch.tensor([delivery], dtype=torch.float64), kv
 
     def isend(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Queue k, v (B, Hkv, s_i + c_i, D) for rank+1 and return; no-op on the last rank."""
         if not self.has_next:
             return
+        self._wait_delivered(self.layer)       # the previous layer's send must be delivered first
         t0 = self.tl.now()
-        self._wait_sending()                   # the previous layer's send must be delivered first
         stamp, kv = self._message(k, v)
         self._sending = [dist.isend(stamp, self.rank + 1), dist.isend(kv, self.rank + 1)]
         self._keep = (stamp, kv)               # the buffers must live until the send completes
@@ -203,17 +214,22 @@ class Chain(_Comm):
         stamp, kv = self._message(k, v)
         dist.send(stamp, self.rank + 1)
         dist.send(kv, self.rank + 1)
-        if self.link is not None:              # a blocking send holds the sender for the whole transfer
-            time.sleep(self.link.transfer_s(nbytes(kv), self.rank, self.rank + 1, self.rng))
+        if self.link is not None:              # a blocking send holds the sender until the modelled delivery
+            self._hold_until(self._delivery)
         self.tl.add("send", t0, self.tl.now(), self.layer)
 
-    def _wait_sending(self) -> None:
+    def _wait_delivered(self, layer: int | None = None) -> None:
+        """Wait until the send in flight is delivered, really and (simulated link) by the model."""
+        if not self._sending:
+            return
+        t0 = self.tl.now()
         for r in self._sending:
             r.wait()
         self._sending = []
+        delay = self._delivery - time.perf_counter()
+        if self.link is not None and delay > 0:
+            time.sleep(delay)
+        self.tl.add("send_wait", t0, self.tl.now(), layer)
 
     def drain(self) -> None:
-        if self._sending:
-            t0 = self.tl.now()
-            self._wait_sending()
-            self.tl.add("send_wait", t0, self.tl.now(), None)
+        self._wait_delivered()

@@ -1,0 +1,83 @@
+"""The engine's simulated link keeps the simulator's timeline (lesson 07, section 3).
+
+Each rank of a real gloo group on 127.0.0.1 runs KV-Runahead's overlapped
+schedule with the engine's ``Chain`` and a slow ``LinkModel``, its "compute"
+replaced by sleeps of known length. ``toyllm.simulate`` is given the same
+per-layer costs and the same link, and the two timelines must agree: every
+compute span ends when the simulator says. A sleep never ends early and a
+busy machine only delays, so no span may end before the simulator's time,
+and none may end much after it. The link is slower than a layer's compute,
+so a sender that did not wait for the modelled delivery of its previous
+message (one message in flight per link) runs ahead of the simulator, and
+its receivers with it.
+"""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from toyllm.launch import run_parallel
+from toyllm.parallel.comm import Chain, LinkModel
+from toyllm.simulate import CostModel, simulate_prefill
+from toyllm.timeline import Timeline
+
+CHUNKS = [4, 4, 4]                 # tokens per rank
+LAYERS = 3
+KV_HEADS, HEAD_DIM = 1, 8          # rank 0 sends 2 * 4 * 8 * 4 = 256 bytes a layer, rank 1 twice that
+QKV_S, REST_S = 0.03, 0.03         # seconds of "compute" per layer: projections, then attention and MLP
+BANDWIDTH_BYTES_PER_S, LATENCY_S = 1e4, 0.08     # 256 bytes: 106 ms a message, longer than a layer's 60 ms
+EARLY_S = 0.002                    # clock readings: no span may end more than this before the simulator's time
+LATE_S = 0.15                      # sleeps and scheduling on a shared, busy 2-core machine, over the whole run
+
+
+def sleeping_kvr_rank(ctx) -> list[dict]:
+    """One rank's overlapped KV-Runahead schedule over the simulated link, compute replaced by sleeps."""
+    rank, chunks = ctx.rank, CHUNKS
+    link = LinkModel(bandwidth_gbps=BANDWIDTH_BYTES_PER_S / 1e9, latency_s=LATENCY_S)
+    tl = Timeline(rank)
+    chain = Chain(rank, chunks, tl, batch=1, n_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.float32,
+                  link=link)
+    k = torch.zeros(chain.send_shape)
+    for _ in range(2):                 # the first round sets up gloo's connections; the second is compared
+        origin = torch.tensor([time.perf_counter() + 0.2], dtype=torch.float64)   # one clock for all ranks
+        dist.broadcast(origin, 0)
+        time.sleep(max(0.0, origin.item() - time.perf_counter()))
+        tl.reset(origin.item())
+        for layer in range(LAYERS):
+            chain.layer = layer
+            incoming = chain.irecv()
+            with tl.span("compute", layer, "qkv"):
+                time.sleep(QKV_S)
+            if incoming is not None:
+                incoming.wait()
+            chain.isend(k, k)
+            with tl.span("compute", layer, "attention + MLP"):
+                time.sleep(REST_S)
+        chain.drain()
+        dist.barrier()
+    return tl.to_dicts()
+
+
+@pytest.mark.timeout(120)
+def test_a_simulated_link_run_keeps_the_simulators_timeline():
+    events = [e for rank_events in run_parallel(sleeping_kvr_rank, len(CHUNKS), backend="gloo", timeout_s=90)
+              for e in rank_events]
+    cfg = SimpleNamespace(n_layers=LAYERS, n_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+    c = CHUNKS[0]
+    cost = CostModel(QKV_S / c, REST_S / c, 0.0, link_bandwidth_bytes_per_s=BANDWIDTH_BYTES_PER_S,
+                     link_latency_s=LATENCY_S, bytes_per_value=4)
+    sim = simulate_prefill(cfg, CHUNKS, "kvr", cost)
+    for rank in range(len(CHUNKS)):
+        real = [e["end_s"] for e in events if e["rank"] == rank and e["kind"] == "compute"]
+        modelled = [e.end_s for e in sim.events if e.rank == rank and e.kind == "compute"]
+        assert len(real) == len(modelled) == 2 * LAYERS
+        for i, (r, m) in enumerate(zip(real, modelled)):
+            assert m - EARLY_S <= r <= m + LATE_S, (
+                f"rank {rank}, compute span {i} (layer {i // 2}) ended at {r * 1e3:.1f} ms, the simulator "
+                f"says {m * 1e3:.1f} ms; real {[round(t * 1e3) for t in real]} ms, "
+                f"simulated {[round(t * 1e3) for t in modelled]} ms")
+    assert sim.ttft_s - EARLY_S <= real[-1] <= sim.ttft_s + LATE_S
