@@ -34,7 +34,9 @@ import ast
 import functools
 import os
 import re
+import sys
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +69,15 @@ class Mark:
 # --------------------------------------------------------------------------- the marks
 
 _ANSWERS: dict[str, tuple[str, str]] = {}     # "5.2" -> ("KV-Runahead", "kvr_layer"), filled as modules import
+
+
+# The exercises each lesson's graded tests run through toyllm's marked functions where the submission runs (the
+# model's dense attention, the paged cache's steps, whatever the graded exercise): the grader's sandbox holds
+# these model answers, and beyond them only those the graded exercise's own model answer calls
+# (``toyllm.grading.sandbox.model_answers_for``). A missing entry fails the model answers' own tests there.
+GRADED_TESTS_RUN: dict[str, tuple[str, ...]] = {
+    "ex01": ("2.1",), "ex02": ("2.1",), "ex04": ("2.1",), "ex05": ("2.1",), "ex08": ("2.1", "8.1", "8.2"),
+}
 
 
 def _check_numbers(numbers) -> tuple[str, ...]:
@@ -136,6 +147,8 @@ def exercise(number: str):
     stamp (one ``stat``) is read again at most every ``RECHECK_S`` seconds.
     """
     ran.add(number)
+    if _given is not None:
+        return _given_answer(number)
     choice = (number, EDITION, os.getcwd(), *(os.environ.get(name) for name in _CHOICE_ENV))
     known = _found.get(choice)
     if known is not None:
@@ -213,14 +226,84 @@ def _stubs_in(path: str, mtime_ns: int, size: int) -> frozenset[str]:
 
 
 def _not_written(number: str, feature: str, name: str, module) -> str:
-    from .grading.course import ANSWERS_ENV
-
-    if os.environ.get(ANSWERS_ENV) and EDITION == "instructor":        # the grader's sandbox, grading ``number``
-        return (f"toyllm's own {name} is not there while Exercise {number} is graded: the exercise must be "
-                f"your own code")
     path = Path(getattr(module, "__file__", "exercises"))
     shown = f"{path.parent.name}/{path.name}"
     return f"{feature} needs Exercise {number}: write {name} in {shown}"
+
+
+# --------------------------------------------------------------------------- model answers handed over as text
+
+# In the grader's sandbox, and in the engine's workers it starts, the model answers a graded exercise may use
+# arrive as text (``give``) and are compiled from memory: no file holds them, so submitted code can neither open
+# one nor read it back with ``inspect.getsource``. Only these answer ``exercise`` there.
+_given: dict[str, tuple[types.ModuleType, frozenset[str]]] | None = None   # "ex05" -> (module, its stubbed exercises)
+_given_sources: dict[str, str] = {}           # file name ("ex05_kv_runahead.py") -> the text given
+_given_texts: dict[str, str] = {}             # its module's name -> the same text
+_GIVEN_PREFIX = "_toyllm_given_"              # the modules' names in sys.modules (dataclasses and the guard need one)
+
+
+def give(sources: dict[str, str]) -> None:
+    """From now on, ``exercise`` runs these model answers and no others: {"ex05_kv_runahead.py": text}.
+
+    Each text (a solution file with the answers left out stubbed, ``make_stub(only=...)``) is compiled from
+    memory under a name that is no file, and is not put in ``linecache``. Called once per process (the grader's
+    sandbox, then each engine worker).
+    """
+    global _given
+    from .grading.stubs import stub_exercises
+
+    given = {}
+    for filename, text in sources.items():
+        stem = filename.removesuffix(".py")
+        module = types.ModuleType(_GIVEN_PREFIX + stem)
+        sys.modules[module.__name__] = module
+        exec(compile(text, f"<model answer {stem}>", "exec"), module.__dict__)
+        _given_texts[module.__name__] = text
+        given[stem[:4]] = (module, frozenset(stub_exercises(text)))
+    _given_sources.update(sources)
+    _given = given
+
+
+def given_sources() -> dict[str, str] | None:
+    """What ``give`` was handed in this process, to hand on to the engine's workers; None outside the sandbox."""
+    return None if _given is None else dict(_given_sources)
+
+
+def given_module(name: str) -> types.ModuleType | None:
+    """The given model answers of lesson ``name`` ("ex05" or "ex05_kv_runahead"), or None."""
+    module, _ = (_given or {}).get(name[:4], (None, None))
+    return module
+
+
+def model_answer_source(module: types.ModuleType) -> str:
+    """The text of a module of model answers: as given (``give``), else its file's."""
+    given = _given_texts.get(module.__name__)
+    return given if given is not None else Path(module.__file__).read_text()
+
+
+def _given_answer(number: str):
+    feature, name = _entry(number)
+    module, stubbed = (_given or {}).get(lesson_module(number), (None, frozenset({number})))
+    if number in stubbed:
+        raise ExerciseNotWritten(f"toyllm's {name} runs Exercise {number}, whose model answer the grader leaves out "
+                                 f"while it grades this exercise: call your own code instead")
+    return getattr(module, name)
+
+
+def forbidden_given(number: str, neighbours=()) -> list[str]:
+    """The given model answers that could do Exercise ``number``'s work, as "module:function" specs: those of the
+    exercises whose marks say ``also=(number,)``, except ``neighbours`` (what ``number``'s own model answer calls,
+    which a submission may reach through its own functions of them)."""
+    from .grading.guard import exercise_functions
+
+    marks = answer_marks()
+    specs = []
+    for module, _ in (_given or {}).values():
+        for other, names in exercise_functions(model_answer_source(module)).items():
+            mark = marks.get(other)
+            if other not in neighbours and mark is not None and number in mark.exercises[1:]:
+                specs += [f"{module.__name__}:{name}" for name in names]
+    return sorted(specs)
 
 
 def written(number: str) -> bool:

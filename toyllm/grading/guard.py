@@ -13,9 +13,11 @@
    is allowed. A class is guarded through its ``__init__``.
 
 2. **One exercise at a time.** While a test of Exercise 3.5 runs, the
-   submission's functions of the *other* exercises of the same lesson are
-   swapped for the model answers, so a mistake in 3.3 costs only 3.3's
-   points even when 3.5 calls it.
+   submission's functions of the other exercises of the same lesson that
+   3.5's model answer calls (``exercises_called``) are swapped for their
+   model answers, so a mistake in 3.3 costs only 3.3's points even when 3.5
+   calls it. The others stay the submission's own: 1.1 calling the
+   submission's 1.2 gets the student's 1.2, never a model answer.
 
 3. **Hands off the framework.** ``framework_state()`` records every
    function, class and module that toyllm's imported modules bind (and the
@@ -90,6 +92,28 @@ def exercise_functions(reference_source: str) -> dict[str, list[str]]:
         if top:
             out.setdefault(m[2], []).append(top[-1])
     return out
+
+
+def exercises_called(reference_source: str, exercise: str) -> set[str]:
+    """The lesson's other exercises whose model answers Exercise ``exercise``'s model answer runs: those whose
+    functions are named inside its function, or inside any function of the file that one names, and so on.
+
+    3.5's ``batch / min_step_time_s(...)`` gives {"3.3"}; 1.1's ``argmax`` gives nothing, though 1.2's sampler
+    would answer it too.
+    """
+    import ast
+
+    tree = ast.parse(reference_source)
+    names_in = {node.name: {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+                for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    owners = exercise_functions(reference_source)
+    reached, todo = set(), list(owners.get(exercise, ()))
+    while todo:
+        name = todo.pop()
+        if name not in reached:
+            reached.add(name)
+            todo += [n for n in names_in.get(name, ()) if n in names_in]
+    return {other for other, names in owners.items() if other != exercise and reached & set(names)}
 
 
 # --------------------------------------------------------------------------- independence
@@ -208,14 +232,21 @@ _MISSING = object()
 
 
 def swaps_for(exercise: str | None, submission: types.ModuleType, reference: types.ModuleType | None,
-              called: str) -> list[tuple]:
-    """(module, name, model answer) for every function of the lesson's *other* exercises."""
+              called: str, neighbours: set[str] | None = None) -> list[tuple]:
+    """(module, name, model answer) for every function of the lesson's other exercises that ``exercise``'s own
+    model answer runs: 3.5 calling the submission's 3.3 gets the model answer, 1.1 calling the submission's 1.2
+    gets the submission's own. neighbours: those exercises, where ``reference`` no longer shows them (the
+    sandbox's copy, with ``exercise`` stubbed); by default ``exercises_called`` reads them from it."""
     if exercise is None or reference is None:
         return []
-    source = Path(reference.__file__).read_text()
+    from toyllm.answers import model_answer_source
+
+    source = model_answer_source(reference)
+    if neighbours is None:
+        neighbours = exercises_called(source, exercise)
     out = []
     for other, names in exercise_functions(source).items():
-        if other == exercise:
+        if other not in neighbours:
             continue
         for name in names:
             if name != called and hasattr(reference, name) and name in submission.__dict__:

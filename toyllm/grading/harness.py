@@ -95,7 +95,6 @@ def parallel_prefill(spec, ids, method: str, p: int, chunks, step=None, **kwargs
     A submitted ``step`` runs in the workers through ``guarded_step``,
     under the rules the graded call runs under here.
     """
-    from toyllm.launch import WorkerPool
     from toyllm.parallel import parallel_prefill as run
     from toyllm.parallel.runner import step_reference
 
@@ -109,11 +108,34 @@ def parallel_prefill(spec, ids, method: str, p: int, chunks, step=None, **kwargs
         step = f"{__name__}:guarded_step"
     key = (p, env.get(GUARDED_STEP_ENV))
     if key not in _pools or _pools[key].closed:
-        _pools[key] = WorkerPool(p, timeout_s=60, env=env)
+        _pools[key] = _pool_with_answers(p, env)
     result = run(spec, ids, method, p, chunks, pool=_pools[key], step=step, **kwargs)
     if result.kv_cache is not None:                    # plain (keys, values) pairs per layer travel back
         result.kv_cache = [(k, v) for k, v in result.kv_cache]
     return result
+
+
+def _pool_with_answers(p: int, env: dict):
+    """A ``WorkerPool`` of ``p`` whose workers run the model answers this process was given, and no others.
+
+    The text travels over each worker's task pipe (``give_answers``), never through a file or the
+    environment, which the submitted step running there could read.
+    """
+    from toyllm import answers
+    from toyllm.launch import WorkerPool
+
+    pool = WorkerPool(p, timeout_s=60, env=env)
+    sources = answers.given_sources()
+    if sources is not None:                 # in the grader's sandbox (a plain pytest run uses solutions/)
+        pool.run(give_answers, args=(sources,))
+    return pool
+
+
+def give_answers(ctx, sources: dict) -> None:
+    """In an engine worker: ``toyllm.answers.give`` the model answers of the sandbox that started it."""
+    from toyllm import answers
+
+    answers.give(sources)
 
 
 _guarded: dict = {}
@@ -168,7 +190,6 @@ def engine_trace(spec, ids, method: str, p: int, chunks, step, timeout_s: float 
     import tempfile
     from pathlib import Path
 
-    from toyllm.launch import WorkerPool
     from toyllm.parallel import parallel_prefill as run
     from toyllm.parallel.runner import step_reference
 
@@ -179,7 +200,7 @@ def engine_trace(spec, ids, method: str, p: int, chunks, step, timeout_s: float 
     env = {GUARDED_STEP_ENV: json.dumps({"step": step_reference(step), "exercise": exercise,
                                          "forbidden": list(forbidden), "files": list(files)}),
            TRACE_ENV: str(folder)}
-    pool = WorkerPool(p, timeout_s=60, env=env)
+    pool = _pool_with_answers(p, env)
     try:
         run(spec, ids, method, p, chunks, pool=pool, step=f"{__name__}:traced_step", warmup=0,
             timeout_s=timeout_s)

@@ -10,11 +10,16 @@ sandbox process
   grader runs as root (as in a Gradescope container or CI), else as the
   grader's user;
 - has its own process group, a scratch folder as its working directory and
-  home, a copy of the submission's files, the model answers of every
-  exercise *but the one being graded* (for the others, see ``guard``: the
-  sandbox starts afresh for each exercise, and toyllm's own marked answers
-  resolve to these copies, so no route, however computed, reaches the
-  answer being graded) and an environment with nothing but the basics;
+  home, a copy of the submission's files and an environment with nothing
+  but the basics;
+- holds, in memory only, the model answers the graded exercise needs and
+  no other (``model_answers_for``: those its own model answer calls, and
+  those its lesson's graded tests run through toyllm, such as 2.1's dense
+  attention). They arrive as text over the socket and are compiled from
+  memory (``toyllm.answers.give``), never written to a file; the sandbox
+  starts afresh for each exercise, and toyllm's own marked answers resolve
+  to these, so no route, however computed, reaches the answer being graded
+  or a neighbour's that does its work unguarded;
 - gets CPU-time, memory, file-size and process-count limits;
 - cannot reach the graded tests, the grader's log or the results file (they
   live in the grader's private folder, which the sandbox user cannot open).
@@ -50,7 +55,6 @@ from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
 from . import guard, wire
-from .course import ANSWERS_ENV
 from ..supervise import become_subreaper, describe_exit, die_with_parent, signal_group
 from .launcher import ID_RANGE, closed_folders, namespaces_work, unused_id
 
@@ -200,8 +204,7 @@ class Sandbox:
         parent, child = socket.socketpair()
         env = {"PATH": os.defpath, "HOME": str(scratch), "TMPDIR": str(scratch), "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "PYTHONNOUSERSITE": "1",
-               "OMP_NUM_THREADS": "1", "TOYLLM_IMPL": str(scratch / "submission"),
-               ANSWERS_ENV: str(scratch / "reference")}
+               "OMP_NUM_THREADS": "1", "TOYLLM_IMPL": str(scratch / "submission")}
         for name in ("TOYLLM_FAST", "LD_LIBRARY_PATH"):        # the lesson's size switch; where libpython is
             if name in os.environ:
                 env[name] = os.environ[name]
@@ -227,23 +230,25 @@ class Sandbox:
         return _Launched(proc, parent, output, scratch)
 
     def _files(self) -> dict[str, str]:
-        """What the sandbox gets: the submission as it is now, and every model answer but the graded one."""
-        from .course import resolve_impl, solutions_dir
-        from .stubs import make_stub
+        """The submission as it is now: its files' text ({"submission/exNN_*.py": text})."""
+        from .course import resolve_impl
         from .submission import read_submission
 
         # Text read as regular files, never through a link; grade() reports what was skipped.
         submitted, _ = read_submission(resolve_impl())
-        files = {f"submission/{name}": text for name, text in submitted.items()}
+        return {f"submission/{name}": text for name, text in submitted.items()}
+
+    def _answers(self) -> tuple[dict[str, str], list[str]]:
+        """The model answers the graded exercise may use and those its own model answer calls
+        (``model_answers_for``); none outside a test, and none in the student edition."""
+        from .course import solutions_dir
+
         try:
             reference = solutions_dir()
         except ValueError:                  # the student edition: no model answers
-            reference = None
-        if reference is not None:
-            only = {self.exercise} if self.exercise else None      # outside a test: no answer at all
-            for path in reference.glob("ex*.py"):
-                files[f"reference/{path.name}"] = make_stub(path.read_text(), only=only)
-        return files
+            return {}, []
+        given, neighbours = model_answers_for(self.exercise, reference)
+        return given, sorted(neighbours)
 
     def _start(self) -> None:
         spare, self._spare = self._spare, None
@@ -254,7 +259,9 @@ class Sandbox:
         launched = spare or self._launch()
         self.proc, self.sock, self._output, self.scratch = launched
         self.exercise = context.exercise
-        self._request_started({"op": "prepare", "files": self._files()}, "starting the sandbox")
+        given, neighbours = self._answers()
+        self._request_started({"op": "prepare", "files": self._files(), "answers": given, "neighbours": neighbours},
+                              "starting the sandbox")
         if context.more_exercises:               # the next exercise's sandbox warms up while this one works
             self._spare = self._launch()
         for name in list(self.loaded):               # a restart: bring back what was loaded
@@ -410,6 +417,40 @@ class Sandbox:
         if not reply["ok"]:
             raise _rebuild_error(reply["error"])
         return reply["value"]
+
+
+def model_answers_for(exercise: str | None, reference: Path) -> tuple[dict[str, str], set[str]]:
+    """What the sandbox grading Exercise ``exercise`` gets of the model answers in ``reference``, and which of
+    them its own model answer calls: ({file name: text}, {"3.3", ...}).
+
+    It gets the lesson's other exercises that ``exercise``'s model answer calls (``guard.exercises_called``:
+    3.5 calls 3.3), those its lesson's graded tests run through toyllm (``answers.GRADED_TESTS_RUN``: the
+    model's dense attention, 2.1), and what these call in turn; never ``exercise`` itself. Every other
+    exercise is a stub in the text, and a file with none of them is left out: 1.1 calling the submission's
+    1.2 reaches only the submission's 1.2.
+    """
+    from toyllm import answers
+
+    from .stubs import make_stub
+
+    if exercise is None:                    # outside a test: no answer at all
+        return {}, set()
+    sources = {path.name: path.read_text() for path in sorted(reference.glob("ex*.py"))}
+    lessons = {name[:4]: text for name, text in sources.items()}
+    lesson = answers.lesson_module(exercise)
+    neighbours = guard.exercises_called(lessons[lesson], exercise)
+    keep, todo = set(), [*neighbours, *answers.GRADED_TESTS_RUN.get(lesson, ())]
+    while todo:
+        number = todo.pop()
+        if number != exercise and number not in keep:
+            keep.add(number)
+            todo += guard.exercises_called(lessons[answers.lesson_module(number)], number)
+    given = {}
+    for name, text in sources.items():
+        regions = set(guard.exercise_functions(text))
+        if regions & keep:
+            given[name] = make_stub(text, only=regions - keep)
+    return given, neighbours
 
 
 def _children():

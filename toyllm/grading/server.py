@@ -1,13 +1,16 @@
 """The sandbox process: imports the submission and runs its functions for the grader.
 
 Started by ``toyllm.grading.sandbox`` with one end of a socket pair as file
-descriptor ``argv[1]``; the submission's files are in ``$TOYLLM_IMPL``, the
-model answers (for the other exercises, see ``guard``) in ``argv[2]``. It
+descriptor ``argv[1]``; the submission's files are in ``$TOYLLM_IMPL``. It
 answers one request at a time:
 
-- ``prepare`` (first, once): write the files it is handed (the submission
-  and the model answers it may use) into its scratch folder. A sandbox can
-  so be started ahead, before anyone knows which exercise it will serve;
+- ``prepare`` (first, once): write the submission's files it is handed
+  into its scratch folder, and compile the model answers the graded
+  exercise may use from the text handed with them (``answers.give``:
+  memory only, no file), with the exercises whose answers that exercise's
+  own model answer calls (``neighbours``, for ``guard.swaps_for``). A
+  sandbox can so be started ahead, before anyone knows which exercise it
+  will serve;
 - ``load``: import an exercise module; reply with its function names;
 - ``call``: run a submitted function (``("exercise", module, name)``) or a
   trusted harness function (``("harness", "pkg.module:function")``) under
@@ -90,8 +93,10 @@ FRAMEWORK_MODULES = ("toyllm.grading.harness", "toyllm.launch", "toyllm.parallel
                      "toyllm.cache", "toyllm.answers")
 
 
-def main(fd: int, reference_dir: str) -> None:
+def main(fd: int) -> None:
     import torch
+
+    from toyllm import answers
 
     from . import guard, wire
     from .harness import cost_argument
@@ -105,7 +110,9 @@ def main(fd: int, reference_dir: str) -> None:
     torch.set_num_threads(1)
     sock = socket.socket(fileno=fd)
     modules: dict[str, object] = {}          # "ex01" -> the submission's module
-    references: dict[str, object] = {}
+    neighbours: set[str] = set()            # the exercises the graded exercise's model answer calls
+    # The given neighbours that could do the graded exercise's work (their marks say also=): off limits too.
+    forbidden_given = functools.lru_cache(maxsize=None)(lambda number: answers.forbidden_given(number, neighbours))
 
     def submission_files():
         return {m.__file__ for m in modules.values()}
@@ -133,14 +140,6 @@ def main(fd: int, reference_dir: str) -> None:
             raise ValueError(f"unknown function reference {ref!r}")
         return getattr(modules[module], name)
 
-    def reference_for(module: str):
-        if module not in references:
-            try:
-                references[module] = load_exercise(module, impl=reference_dir)
-            except Exception:
-                references[module] = None
-        return references[module]
-
     while True:
         serving["call"] = next(serials)
         try:
@@ -152,11 +151,13 @@ def main(fd: int, reference_dir: str) -> None:
             if request["op"] == "prepare":
                 for relative, text in request["files"].items():
                     folder, _, name = relative.partition("/")
-                    if folder not in ("submission", "reference") or not name or "/" in name or name.startswith("."):
+                    if folder != "submission" or not name or "/" in name or name.startswith("."):
                         raise ValueError(f"prepare: unexpected file {relative!r}")
                     os.makedirs(folder, exist_ok=True)
                     with open(os.path.join(folder, name), "w") as f:
                         f.write(text)
+                answers.give(request["answers"])
+                neighbours.update(request["neighbours"])
                 reply = {"ok": True, "value": None}
             elif request["op"] == "load":
                 name = request["module"]
@@ -173,7 +174,8 @@ def main(fd: int, reference_dir: str) -> None:
                     module_name, fn_name = where
                     fn = getattr(modules[module_name], fn_name)
                     for key, module in modules.items():
-                        swaps += guard.swaps_for(request.get("exercise"), module, reference_for(key), fn_name)
+                        swaps += guard.swaps_for(request.get("exercise"), module, answers.given_module(key), fn_name,
+                                                 neighbours)
                 else:
                     module_name, _, fn_name = where[0].partition(":")
                     if not module_name.startswith("toyllm."):
@@ -184,8 +186,8 @@ def main(fd: int, reference_dir: str) -> None:
                     reply = {"ok": False, "error": _error(RuntimeError("toyllm was changed"), ())}
                     violations = [guard.tampering_message(request.get("exercise"), changed)]
                 else:
-                    with guard.rules(request.get("exercise"), request.get("forbidden", ()), submission_files(),
-                                     swaps) as violations:
+                    forbidden = [*request.get("forbidden", ()), *forbidden_given(request.get("exercise"))]
+                    with guard.rules(request.get("exercise"), forbidden, submission_files(), swaps) as violations:
                         try:
                             value = fn(*request["args"], **request["kwargs"])
                             reply = {"ok": True, "value": value}
@@ -214,7 +216,7 @@ def serve() -> None:
     """The sandbox process once it runs as the sandbox user (see ``launcher``): limits first, then serve."""
     import resource
 
-    fd, reference, parent_pid, limits = sys.argv[1:5]
+    fd, _, parent_pid, limits = sys.argv[1:5]        # argv[2]: the launcher's REFERENCE, no longer used
     memory_mb, cpu_s, file_bytes, nproc = (int(x) for x in limits.split(","))
     die_with_parent()                                               # the grader's test process died: so do we
     if os.getppid() != int(parent_pid):
@@ -225,4 +227,4 @@ def serve() -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if nproc:
         resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-    main(int(fd), reference)
+    main(int(fd))

@@ -43,8 +43,8 @@ def make_stub(source: str, hints: str = "idea", only: set[str] | None = None) ->
     the nearest enclosing ``def``. hints: "idea" takes the ``# idea:`` line
     that follows the marker (every region needs one), "code" the marker's
     ``hint:``. only: stub just these exercises and keep the other regions
-    as they are (the grader's sandbox gets every model answer but the one
-    being graded). Raises ValueError for unbalanced or malformed markers,
+    as they are (the grader's sandbox keeps only the model answers the
+    graded exercise needs, ``sandbox.model_answers_for``). Raises ValueError for unbalanced or malformed markers,
     naming the line.
     """
     if hints not in HINT_LEVELS:
