@@ -209,3 +209,44 @@ def test_a_sentence_whose_words_its_numbers_do_not_support_is_caught():
                             ": undecided (5 rounds; a verdict needs 5)")
     one = compare([0.4], [0.5]).sentence("KVR", "TSP")
     assert verdict_problems(one.split(": ")[0] + ": KVR is 1.25x faster (1 rounds, p = 1)")
+
+
+@pytest.mark.slow
+@pytest.mark.needs("8.1", "8.2", "8.3", "8.4")
+@pytest.mark.timeout(400)
+def test_lesson_08_verdicts_follow_the_runs_beside_a_cpu_hog(cpu_hog):
+    """Lesson 08 ships a KV cache against recomputing it (cell 27, whose verdict once flipped from "3.39x faster"
+    to "1.67x slower" between two runs of 3 rounds) and compares serving policies. In small sizes, beside a CPU
+    hog, every sentence it would print reads back as measure's own decision on the printed runs, and 3 rounds
+    say "undecided"."""
+    from verdict_text import count_verdicts, verdict_problems
+
+    from toyllm.disagg import ship_kv_cache
+    from toyllm.parallel import ModelSpec
+    from toyllm.serving import poisson_workload, serve
+    from toyllm.utils import random_prompt
+
+    spec = ModelSpec("tiny")
+    printed, verdicts = [], []
+    for rounds in (3, 5):
+        shipped = ship_kv_cache(spec, random_prompt(40, 256, seed=1), decode_tokens=4, method="single",
+                                rounds=rounds, timeout_s=120)
+        printed += shipped.lines()
+        verdicts.append(shipped.verdict)
+    model = spec.build()
+    workload = poisson_workload(6, 40.0, model.config.vocab_size, prompt_tokens=(4, 32), new_tokens=(2, 8), seed=3)
+    served = {p: [] for p in ("continuous", "chunked")}
+    for _ in range(5):                                  # in turns, as the lesson runs them
+        for p, runs in served.items():
+            runs.append(serve(model, workload, p, max_batch=4, token_budget=16, block_size=16))
+    for what in (lambda r: r.percentile("ttft_s", 99), lambda r: r.compute_s):
+        v = compare([what(r) for r in served["chunked"]], [what(r) for r in served["continuous"]])
+        printed.append(v.sentence("chunked", "continuous"))
+        verdicts.append(v)
+    text = "\n".join(printed)
+    print(text)
+    assert count_verdicts(text) == len(verdicts) and verdict_problems(text) == [], text
+    assert verdicts[0].word == "undecided" and "a verdict needs 5" in text      # 3 rounds decide nothing
+    sentences = [line for line in printed if " vs " in line]
+    for v, line in zip(verdicts, sentences):
+        assert (" is " in line.split(": ", 1)[1]) == v.decided, line
