@@ -214,8 +214,8 @@ def cmd_demo(args, _prepared=None) -> int:
     from .bench_decode import demo_decode_speed
 
     def naive_and_cached():
-        row = naive_vs_cached(model, prompt_len=32, new_tokens=32, rounds=3)
-        print(f"SmolLM2, 32-token prompt, 32 new tokens, 3 rounds in turns: {row['verdict'].sentence('cached', 'naive')}"
+        row = naive_vs_cached(model, prompt_len=32, new_tokens=32, rounds=5)     # fewer decide nothing (measure)
+        print(f"SmolLM2, 32-token prompt, 32 new tokens, 5 rounds in turns: {row['verdict'].sentence('cached', 'naive')}"
               f"; identical tokens: {row['identical']}")
 
     ensure_resident_heap(["demo", "--weights", args.weights])   # steadier timings (see toyllm/bench.py)
