@@ -1,4 +1,4 @@
-"""The engine's simulated link keeps the simulator's timeline (lesson 07, section 3).
+"""The engine's simulated link keeps the simulator's timeline (lesson 07, section 3); the simulator's roofline.
 
 Each rank of a real gloo group on 127.0.0.1 runs KV-Runahead's overlapped
 schedule with the engine's ``Chain`` and a slow ``LinkModel``, its "compute"
@@ -20,9 +20,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from toyllm.analysis import LLAMA_7B
 from toyllm.launch import run_parallel
 from toyllm.parallel.comm import Chain, LinkModel
-from toyllm.simulate import CostModel, simulate_prefill
+from toyllm.partition import even_partition
+from toyllm.simulate import CostModel, a100_like, simulate_prefill
 from toyllm.timeline import Timeline
 
 CHUNKS = [4, 4, 4]                 # tokens per rank
@@ -81,3 +83,22 @@ def test_a_simulated_link_run_keeps_the_simulators_timeline():
                 f"says {m * 1e3:.1f} ms; real {[round(t * 1e3) for t in real]} ms, "
                 f"simulated {[round(t * 1e3) for t in modelled]} ms")
     assert sim.ttft_s - EARLY_S <= real[-1] <= sim.ttft_s + LATE_S
+
+
+# --------------------------------------------------------------------------- the simulator's roofline (lesson 03)
+
+def test_a100_like_steps_take_at_least_the_time_to_read_their_weights():
+    gpu = a100_like(LLAMA_7B)
+    flops_only = gpu.with_(memory_bandwidth_bytes_per_s=None)
+    reads_s = LLAMA_7B.n_layers * (gpu.qkv_weight_bytes + gpu.mlp_weight_bytes) / gpu.memory_bandwidth_bytes_per_s
+    assert reads_s > 6e-3                        # 13 GB of fp16 weights at 2 TB/s: every rank reads them all
+    for C in (64, 128):
+        for chunks in ([C], even_partition(C, 2), even_partition(C, 4)):
+            method = "single" if len(chunks) == 1 else "kvr"
+            assert simulate_prefill(LLAMA_7B, chunks, method, gpu).ttft_s >= reads_s
+    assert simulate_prefill(LLAMA_7B, even_partition(64, 2), "kvr", flops_only).ttft_s < reads_s   # FLOPs alone
+    one = simulate_prefill(LLAMA_7B, [64], "single", gpu).ttft_s
+    assert simulate_prefill(LLAMA_7B, even_partition(64, 2), "kvr", gpu).ttft_s >= one   # splitting pays nothing
+    for method, chunks in (("single", [16384]), ("kvr", even_partition(16384, 4)), ("tsp", even_partition(16384, 4))):
+        assert simulate_prefill(LLAMA_7B, chunks, method, gpu).ttft_s == \
+            simulate_prefill(LLAMA_7B, chunks, method, flops_only).ttft_s                 # long prompts: compute-bound

@@ -80,6 +80,12 @@ class CostModel:
     TSP's all-gather, when it is not one message over the link (gloo's
     collective is slower than a point-to-point message: ``fit_runs`` measures
     it from the runs' own all-gather spans); None, None: one message.
+    memory_bandwidth_bytes_per_s: bytes/s a rank reads from its memory, for
+    lesson 03's roofline: each step (the projections, the attention, o_proj
+    and the MLP) takes max(its compute, the bytes it reads / this), the bytes
+    being ``qkv_weight_bytes`` and ``mlp_weight_bytes`` of a layer's weights
+    and the keys and values the attention reads. None: compute alone (a model
+    calibrated on real runs has the reads in its measured seconds already).
     """
 
     qkv_s_per_token: float
@@ -95,6 +101,9 @@ class CostModel:
     key_alignment: int = 8
     allgather_bandwidth_bytes_per_s: float | None = None
     allgather_latency_s: float | None = None
+    memory_bandwidth_bytes_per_s: float | None = None
+    qkv_weight_bytes: float = 0.0
+    mlp_weight_bytes: float = 0.0
 
     def __post_init__(self):
         for name in ("qkv_s_per_token", "mlp_s_per_token", "attn_s_per_dot", "attn_unaligned_s_per_dot",
@@ -117,6 +126,13 @@ class CostModel:
             raise ValueError(f"CostModel.allgather_bandwidth_bytes_per_s must be positive (bytes/s), got {ag_bw!r}")
         if ag_lat is not None and not (isinstance(ag_lat, (int, float)) and ag_lat >= 0 and math.isfinite(ag_lat)):
             raise ValueError(f"CostModel.allgather_latency_s must be a non-negative number of seconds, got {ag_lat!r}")
+        mem = self.memory_bandwidth_bytes_per_s
+        if mem is not None and not (isinstance(mem, (int, float)) and mem > 0 and math.isfinite(mem)):
+            raise ValueError(f"CostModel.memory_bandwidth_bytes_per_s must be positive (bytes/s) or None, got {mem!r}")
+        for name in ("qkv_weight_bytes", "mlp_weight_bytes"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"CostModel.{name} must be a non-negative number of bytes, got {v!r}")
         if self.attention_pairs not in ("dense", "causal"):
             raise ValueError(f"CostModel.attention_pairs must be 'dense' or 'causal', got {self.attention_pairs!r}")
 
@@ -131,6 +147,13 @@ class CostModel:
         if keys % self.key_alignment:
             per_pair += self.attn_unaligned_s_per_dot
         return per_pair * self.pairs(queries, before, keys)
+
+    def step_s(self, compute_s: float, bytes_read: float) -> float:
+        """Seconds of one step that computes for ``compute_s`` and reads ``bytes_read`` bytes: the larger of
+        the two times (lesson 03's roofline), or the compute alone without a memory bandwidth."""
+        if self.memory_bandwidth_bytes_per_s is None:
+            return compute_s
+        return max(compute_s, bytes_read / self.memory_bandwidth_bytes_per_s)
 
     def with_(self, **changes) -> "CostModel":
         """A copy with some fields changed, e.g. ``cm.with_(link_bandwidth_bytes_per_s=10e9)``."""
@@ -361,14 +384,18 @@ def _least_squares(rows, times) -> list[float]:
 
 
 def a100_like(cfg: ModelConfig, mfu: float = 0.5, link_bandwidth_bytes_per_s: float = 300e9,
-              link_latency_s: float = 10e-6, layer_overhead_s: float = 50e-6) -> CostModel:
+              link_latency_s: float = 10e-6, layer_overhead_s: float = 50e-6,
+              memory_bandwidth_bytes_per_s: float = 2e12) -> CostModel:
     """Assumed costs of ``cfg`` on an A100-class GPU in fp16, in the spirit of the paper's setup.
 
     Compute: FLOPs at 312 TFLOP/s times ``mfu`` (the fraction of peak a real
     kernel reaches; 0.5 assumed). q, k, v projections 2 * d_model * head_dim
     * (H + 2 Hkv) FLOPs per token; o_proj and SwiGLU MLP 2 * d_model *
     (H * head_dim + 3 * ffn) per token; attention 4 * H * head_dim FLOPs per
-    query-key pair (QK^T and times V; softmax ignored). Link: 300 GB/s
+    query-key pair (QK^T and times V; softmax ignored). Memory: 2 TB/s of
+    HBM (an A100 80GB reads about 2.0); each step takes at least the time to
+    read its fp16 weights and the keys and values it attends over (a rank
+    reads every weight whatever its share of the tokens). Link: 300 GB/s
     (NVLink-like, the paper's "high bandwidth"); try 10e9 or 1e9 for its
     slow setups. None of this is measured: label results as simulated.
     """
@@ -382,7 +409,10 @@ def a100_like(cfg: ModelConfig, mfu: float = 0.5, link_bandwidth_bytes_per_s: fl
                      layer_overhead_s=layer_overhead_s,
                      link_bandwidth_bytes_per_s=link_bandwidth_bytes_per_s,
                      link_latency_s=link_latency_s, bytes_per_value=2,
+                     memory_bandwidth_bytes_per_s=memory_bandwidth_bytes_per_s, qkv_weight_bytes=2 * qkv,
+                     mlp_weight_bytes=2 * (cfg.matmul_params_per_layer - qkv),
                      label=f"assumed A100-like: 312 TFLOP/s fp16 at {mfu:.0%} of peak, "
+                           f"{memory_bandwidth_bytes_per_s / 1e12:g} TB/s memory, "
                            f"{link_bandwidth_bytes_per_s / 1e9:g} GB/s link")
 
 
@@ -514,7 +544,8 @@ def _simulate_kvr(cfg, chunks, cm: CostModel, overlap: bool, noise: LinkNoise, e
         for layer in range(L):
             if i > 0 and not overlap:
                 r.wait_until("recv_wait", arrival[i - 1][layer], layer, recv_label)
-            r.busy("compute", cm.layer_overhead_s + cm.qkv_s_per_token * c, layer, lambda: f"qkv of {c} tokens")
+            r.busy("compute", cm.layer_overhead_s + cm.step_s(cm.qkv_s_per_token * c, cm.qkv_weight_bytes), layer,
+                   lambda: f"qkv of {c} tokens")
             if i > 0 and overlap:
                 r.wait_until("recv_wait", arrival[i - 1][layer], layer, recv_label)
             if i < p - 1:
@@ -527,8 +558,10 @@ def _simulate_kvr(cfg, chunks, cm: CostModel, overlap: bool, noise: LinkNoise, e
                 else:
                     r.busy("send", seconds, layer, send_label)
                     arrival[i][layer] = r.t
-            r.busy("compute", cm.attention_s(c, s, s + c), layer, lambda: f"attention {c} x {s + c}")
-            r.busy("compute", cm.mlp_s_per_token * c, layer, lambda: f"o_proj + MLP of {c} tokens")
+            r.busy("compute", cm.step_s(cm.attention_s(c, s, s + c), 2 * (s + c) * row_bytes), layer,
+                   lambda: f"attention {c} x {s + c}")
+            r.busy("compute", cm.step_s(cm.mlp_s_per_token * c, cm.mlp_weight_bytes), layer,
+                   lambda: f"o_proj + MLP of {c} tokens")
         finish.append(r.t)
     return finish
 
@@ -537,10 +570,12 @@ def _simulate_tsp(cfg, chunks, cm: CostModel, noise: LinkNoise, events) -> list[
     p, L, C = len(chunks), cfg.n_layers, sum(chunks)
     ranks = [_Rank(i, events) for i in range(p)]
     piece_bytes = allgather_piece_bytes(cfg, chunks, cm.bytes_per_value)
+    kv_bytes = 2 * C * cfg.n_kv_heads * cfg.head_dim * cm.bytes_per_value    # the keys and values attended over
     before = prefixes(chunks)
     for layer in range(L):
         for r, c in zip(ranks, chunks):
-            r.busy("compute", cm.layer_overhead_s + cm.qkv_s_per_token * c, layer, lambda: f"qkv of {c} tokens")
+            r.busy("compute", cm.layer_overhead_s + cm.step_s(cm.qkv_s_per_token * c, cm.qkv_weight_bytes), layer,
+                   lambda: f"qkv of {c} tokens")
         # Everyone waits for the slowest rank; then p-1 ring steps, each as slow as its slowest link.
         start = max(r.t for r in ranks)
         ring = sum(max(cm.allgather_step_s(piece_bytes, noise(j, (j + 1) % p, layer, step)) for j in range(p))
@@ -548,8 +583,9 @@ def _simulate_tsp(cfg, chunks, cm: CostModel, noise: LinkNoise, events) -> list[
         for r in ranks:
             r.wait_until("allgather", start + ring, layer, lambda: f"all-gather K,V of {C} tokens")
         for r, c, s in zip(ranks, chunks, before):
-            r.busy("compute", cm.attention_s(c, s, C), layer, lambda: f"attention {c} x {C}")
-            r.busy("compute", cm.mlp_s_per_token * c, layer, lambda: f"o_proj + MLP of {c} tokens")
+            r.busy("compute", cm.step_s(cm.attention_s(c, s, C), kv_bytes), layer, lambda: f"attention {c} x {C}")
+            r.busy("compute", cm.step_s(cm.mlp_s_per_token * c, cm.mlp_weight_bytes), layer,
+                   lambda: f"o_proj + MLP of {c} tokens")
     return [r.t for r in ranks]
 
 
