@@ -43,7 +43,7 @@ def test_generate_sampling_is_seeded(capsys):
     (["generate", "--model", "tiny", "--prompt", ""], "prompt is empty"),
     (["generate", "--model", "nano", "--prompt", "x"], "--model: invalid choice: 'nano'"),
     (["generate", "--model", "tiny", "--prompt", "x", "--top-p", "2"], r"top_p must be in \(0, 1\]"),
-    (["generate", "--model", "tiny", "--prompt", "x", "--max-new-tokens", "-3"], "--max-new-tokens must be >= 0"),
+    (["generate", "--model", "tiny", "--prompt", "x", "--max-new-tokens", "-3"], "--max-new-tokens -3: generate at least 1 new token"),
     (["generate", "--model", "tiny", "--prompt", "x", "--headroom", "-1"], "--headroom must be >= 0 rows, got -1"),
     (["generate", "--model", "tiny", "--prompt", "x", "--cache", "static", "--headroom", "4"],
      "--headroom applies to the growing cache"),
