@@ -73,6 +73,7 @@ def sample_next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int
     return exercise("1.2")(logits, temperature, top_k, top_p, generator)
 
 
+@shortcut("1.1")                # at temperature 0 it is the greedy pick of Exercise 1.1
 def sample_next_tokens(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
                        top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
     """``sample_next_token`` for a batch: logits (B, vocab) -> token ids (B,), each row on its own.
