@@ -40,6 +40,8 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
+from .grading.course import GRADED_TESTS_RUN, lesson_module  # noqa: F401  (the course's facts, used here)
+
 # Which implementation the marked functions call: "instructor" runs the model answers of solutions/,
 # "student" the student's exercises/ (the student edition's builder rewrites this line).
 EDITION = "instructor"
@@ -69,15 +71,6 @@ class Mark:
 # --------------------------------------------------------------------------- the marks
 
 _ANSWERS: dict[str, tuple[str, str]] = {}     # "5.2" -> ("KV-Runahead", "kvr_layer"), filled as modules import
-
-
-# The exercises each lesson's graded tests run through toyllm's marked functions where the submission runs (the
-# model's dense attention, the paged cache's steps, whatever the graded exercise): the grader's sandbox holds
-# these model answers, and beyond them only those the graded exercise's own model answer calls
-# (``toyllm.grading.sandbox.model_answers_for``). A missing entry fails the model answers' own tests there.
-GRADED_TESTS_RUN: dict[str, tuple[str, ...]] = {
-    "ex01": ("2.1",), "ex02": ("2.1",), "ex04": ("2.1",), "ex05": ("2.1",), "ex08": ("2.1", "8.1", "8.2"),
-}
 
 
 def _check_numbers(numbers) -> tuple[str, ...]:
@@ -117,11 +110,6 @@ def shortcut(*numbers: str, student: str | None = None):
     def mark(fn):
         return fn
     return mark
-
-
-def lesson_module(number: str) -> str:
-    """"5.2" -> "ex05"."""
-    return f"ex{int(number.split('.')[0]):02d}"
 
 
 # The variables that decide which file answers an exercise (toyllm.grading.course and .impl read them).
@@ -238,7 +226,6 @@ def _not_written(number: str, feature: str, name: str, module) -> str:
 # one nor read it back with ``inspect.getsource``. Only these answer ``exercise`` there.
 _given: dict[str, tuple[types.ModuleType, frozenset[str]]] | None = None   # "ex05" -> (module, its stubbed exercises)
 _given_sources: dict[str, str] = {}           # file name ("ex05_kv_runahead.py") -> the text given
-_given_texts: dict[str, str] = {}             # its module's name -> the same text
 _GIVEN_PREFIX = "_toyllm_given_"              # the modules' names in sys.modules (dataclasses and the guard need one)
 
 
@@ -258,7 +245,7 @@ def give(sources: dict[str, str]) -> None:
         module = types.ModuleType(_GIVEN_PREFIX + stem)
         sys.modules[module.__name__] = module
         exec(compile(text, f"<model answer {stem}>", "exec"), module.__dict__)
-        _given_texts[module.__name__] = text
+        module.__toyllm_source__ = text           # what stubs.model_answer_source reads back
         given[stem[:4]] = (module, frozenset(stub_exercises(text)))
     _given_sources.update(sources)
     _given = given
@@ -275,12 +262,6 @@ def given_module(name: str) -> types.ModuleType | None:
     return module
 
 
-def model_answer_source(module: types.ModuleType) -> str:
-    """The text of a module of model answers: as given (``give``), else its file's."""
-    given = _given_texts.get(module.__name__)
-    return given if given is not None else Path(module.__file__).read_text()
-
-
 def _given_answer(number: str):
     feature, name = _entry(number)
     module, stubbed = (_given or {}).get(lesson_module(number), (None, frozenset({number})))
@@ -294,7 +275,7 @@ def forbidden_given(number: str, neighbours=()) -> list[str]:
     """The given model answers that could do Exercise ``number``'s work, as "module:function" specs: those of the
     exercises whose marks say ``also=(number,)``, except ``neighbours`` (what ``number``'s own model answer calls,
     which a submission may reach through its own functions of them)."""
-    from .grading.guard import exercise_functions
+    from .grading.stubs import exercise_functions, model_answer_source
 
     marks = answer_marks()
     specs = []

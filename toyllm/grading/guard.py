@@ -32,15 +32,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import re
 import sys
 import sysconfig
 import threading
 import types
 from pathlib import Path
 
-_SOLUTION_MARK = re.compile(r"^([ \t]*)# BEGIN SOLUTION (\d+\.\d+)", re.MULTILINE)
-_DEF = re.compile(r"^([ \t]*)(?:async )?def (\w+)\s*\(", re.MULTILINE)
+from .stubs import exercise_functions, model_answer_source
 
 
 class IndependenceError(Exception):
@@ -80,18 +78,6 @@ def tampering_message(exercise: str | None, changed: list[str]) -> str:
     shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
     return (f"Exercise {exercise or '?'}: the submission changed toyllm's own code ({shown}), which runs and "
             f"checks the graded calls: this exercise scores 0")
-
-
-def exercise_functions(reference_source: str) -> dict[str, list[str]]:
-    """{"3.3": ["min_step_time_s"], ...}: the top-level functions holding each exercise's model answer."""
-    out: dict[str, list[str]] = {}
-    defs = [(m.start(), len(m[1]), m[2]) for m in _DEF.finditer(reference_source)]
-    for m in _SOLUTION_MARK.finditer(reference_source):
-        enclosing = [(indent, name) for start, indent, name in defs if start < m.start() and indent < len(m[1])]
-        top = [name for indent, name in enclosing if indent == 0]
-        if top:
-            out.setdefault(m[2], []).append(top[-1])
-    return out
 
 
 def exercises_called(reference_source: str, exercise: str) -> set[str]:
@@ -239,8 +225,6 @@ def swaps_for(exercise: str | None, submission: types.ModuleType, reference: typ
     sandbox's copy, with ``exercise`` stubbed); by default ``exercises_called`` reads them from it."""
     if exercise is None or reference is None:
         return []
-    from toyllm.answers import model_answer_source
-
     source = model_answer_source(reference)
     if neighbours is None:
         neighbours = exercises_called(source, exercise)

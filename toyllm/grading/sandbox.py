@@ -403,7 +403,7 @@ class Sandbox:
         return reply["value"]
 
     def call(self, target: tuple, args: tuple, kwargs: dict, what: str):
-        from .harness import Counted
+        from .counted import Counted
 
         message = {"op": "call", "target": target, "args": args, "kwargs": kwargs,
                    "exercise": context.exercise, "forbidden": list(context.forbidden)}
@@ -424,27 +424,26 @@ def model_answers_for(exercise: str | None, reference: Path) -> tuple[dict[str, 
     them its own model answer calls: ({file name: text}, {"3.3", ...}).
 
     It gets the lesson's other exercises that ``exercise``'s model answer calls (``guard.exercises_called``:
-    3.5 calls 3.3), those its lesson's graded tests run through toyllm (``answers.GRADED_TESTS_RUN``: the
+    3.5 calls 3.3), those its lesson's graded tests run through toyllm (``course.GRADED_TESTS_RUN``: the
     model's dense attention, 2.1), and what these call in turn; never ``exercise`` itself. Every other
     exercise is a stub in the text, and a file with none of them is left out: 1.1 calling the submission's
     1.2 reaches only the submission's 1.2.
     """
-    from toyllm import answers
-
+    from .course import GRADED_TESTS_RUN, lesson_module
     from .stubs import make_stub
 
     if exercise is None:                    # outside a test: no answer at all
         return {}, set()
     sources = {path.name: path.read_text() for path in sorted(reference.glob("ex*.py"))}
     lessons = {name[:4]: text for name, text in sources.items()}
-    lesson = answers.lesson_module(exercise)
+    lesson = lesson_module(exercise)
     neighbours = guard.exercises_called(lessons[lesson], exercise)
-    keep, todo = set(), [*neighbours, *answers.GRADED_TESTS_RUN.get(lesson, ())]
+    keep, todo = set(), [*neighbours, *GRADED_TESTS_RUN.get(lesson, ())]
     while todo:
         number = todo.pop()
         if number != exercise and number not in keep:
             keep.add(number)
-            todo += guard.exercises_called(lessons[answers.lesson_module(number)], number)
+            todo += guard.exercises_called(lessons[lesson_module(number)], number)
     given = {}
     for name, text in sources.items():
         regions = set(guard.exercise_functions(text))

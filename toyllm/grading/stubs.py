@@ -160,3 +160,25 @@ def sync(check: bool = False, force: bool = False, solutions_dir: Path | None = 
     return changed
 
 
+# Where each model answer sits: the marker's indentation and exercise, and every ``def`` with its indentation.
+_SOLUTION_AT = re.compile(r"^([ \t]*)# BEGIN SOLUTION (\d+\.\d+)", re.MULTILINE)
+_TOP_DEF = re.compile(r"^([ \t]*)(?:async )?def (\w+)\s*\(", re.MULTILINE)
+
+
+def exercise_functions(reference_source: str) -> dict[str, list[str]]:
+    """{"3.3": ["min_step_time_s"], ...}: the top-level functions holding each exercise's model answer."""
+    out: dict[str, list[str]] = {}
+    defs = [(m.start(), len(m[1]), m[2]) for m in _TOP_DEF.finditer(reference_source)]
+    for m in _SOLUTION_AT.finditer(reference_source):
+        enclosing = [(indent, name) for start, indent, name in defs if start < m.start() and indent < len(m[1])]
+        top = [name for indent, name in enclosing if indent == 0]
+        if top:
+            out.setdefault(m[2], []).append(top[-1])
+    return out
+
+
+def model_answer_source(module) -> str:
+    """The text of a module of model answers: as the grader gave it, compiled from memory
+    (``toyllm.answers.give`` keeps it on the module), else its file's."""
+    text = getattr(module, "__toyllm_source__", None)
+    return text if text is not None else Path(module.__file__).read_text()
