@@ -307,7 +307,7 @@ def test_bad_implementations_and_names_are_clear_errors(tmp_path):
         load_exercise("ex42", impl="solutions")
     with pytest.raises(ValueError, match="must look like 'ex01'"):
         load_exercise("../ex01", impl="solutions")
-    with pytest.raises(ValueError, match="no graded tests for lesson"):
+    with pytest.raises(ValueError, match="no graded tests for exercise module"):
         grade("solutions", only="ex09")
     with pytest.raises(ValueError, match="per_test_timeout_s"):
         grade("solutions", per_test_timeout_s=0)
