@@ -122,13 +122,16 @@ HIDDEN_TEST = f'''
     '''
 ENV_SECRET = "TOYLLM_READING_TEST_SECRET"
 
-# Run in a fresh process, so that its children's peak memory is this grading run's alone.
+# Run in a fresh process, so that its children's peak memory is this grading run's alone. Its own peak is read
+# from /proc (VmHWM, this program's memory since it started): its ru_maxrss would still hold the resident size
+# of the pytest process it was forked from, which a whole test session grows past a gigabyte.
 GRADE = """
 import json, resource, sys
 from toyllm.grading import grade
 
 report = grade(sys.argv[1], only=["ex01", "ex03"], extra_tests=sys.argv[2], results_path=sys.argv[3])
-peak_kib = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+own_kib = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+peak_kib = max(own_kib, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 print(json.dumps({"table": report.table(show_hidden=False), "notes": report.notes, "peak_mib": peak_kib / 1024,
                   "points": {ex: list(points) for ex, points in report.by_exercise().items()},
                   "outputs": {t.name: t.output for t in report.tests}}))
