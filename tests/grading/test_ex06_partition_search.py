@@ -237,10 +237,10 @@ def test_ex6_3_clamping_rounding_and_bad_input(ex06, drawn):
     rng = drawn.rng("6.3 clamping")
     for _ in range(3):              # drawn: one or two entries, contexts below and above them, small enough for ties
         p = rng.randint(2, 5)
-        table = {n: [round(rng.uniform(0.1, 1.0), 2) for _ in range(p)] for n in sorted(rng.sample(range(64, 4096), 2))}
-        for context in (rng.randint(p, min(table)), rng.randint(max(table), 9000)):
-            equal(ex06.interpolate_partition(table, context), reference_partition(table, context),
-                  f"interpolate_partition({table}, {context}; {drawn})")
+        entries = {n: [round(rng.uniform(0.1, 1.0), 2) for _ in range(p)] for n in sorted(rng.sample(range(64, 4096), 2))}
+        for context in (rng.randint(p, min(entries)), rng.randint(max(entries), 9000)):
+            equal(ex06.interpolate_partition(entries, context), reference_partition(entries, context),
+                  f"interpolate_partition({entries}, {context}; {drawn})")
     equal(ex06.interpolate_partition({4096: [0.33, 0.33, 0.33]}, 999), [333, 333, 333],
           "interpolate_partition({4096: [0.33, 0.33, 0.33]}, 999) (ratios that sum to 0.99: share = "
           "context * r / sum(r))")
