@@ -189,6 +189,11 @@ def make_submission(folder: Path, *names: str, **fill: str) -> Path:
     return folder
 
 
+def outputs(report, exercise: str) -> list[str]:
+    """What each of ``exercise``'s tests printed in ``report``, in order."""
+    return [t.output for t in report.tests if t.exercise == exercise]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_crash_or_a_hang_costs_only_the_test_that_met_it(tmp_path):
@@ -537,11 +542,11 @@ def test_calling_toyllms_own_answer_scores_zero_for_that_exercise_and_says_why(t
     report = grade(submission, only=["ex02", "ex03"])
     scores = report.by_exercise()
     for ex in ("2.1", "2.4", "3.2", "3.6"):
-        assert scores[ex][0] == 0, (ex, [t.output for t in report.tests if t.exercise == ex])
-        for t in (t for t in report.tests if t.exercise == ex):
-            assert t.output.startswith(f"Exercise {ex} must be your own code, but it called toyllm."), t.output
+        assert scores[ex][0] == 0, (ex, outputs(report, ex))
+        for out in outputs(report, ex):
+            assert out.startswith(f"Exercise {ex} must be your own code, but it called toyllm."), out
     assert all(scores[ex][0] == scores[ex][1] for ex in ("2.2", "2.3", "3.1", "3.3", "3.4", "3.5"))
-    assert "toyllm.attention.dense_attention" in next(t.output for t in report.tests if t.exercise == "2.1")
+    assert "toyllm.attention.dense_attention" in outputs(report, "2.1")[0]
     assert not list(submission.rglob("__pycache__")), "the grader wrote bytecode beside the submission"
 
 
@@ -696,7 +701,7 @@ def test_an_engine_step_cannot_be_forged(tmp_path, fixture, why):
     submission = make_submission(tmp_path / "sub", fixture)
     report = grade(submission, only="5.2")
     assert report.by_exercise()["5.2"] == (0, 3), [t.output[:300] for t in report.tests]
-    assert all(why in t.output for t in report.tests if t.exercise == "5.2"), [t.output[:300] for t in report.tests]
+    assert all(why in out for out in outputs(report, "5.2")), [t.output[:300] for t in report.tests]
     assert report.by_exercise()["5.1"] == (4, 4) if "5.1" in report.by_exercise() else True
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_grader import ROOT, make_submission
+from test_grader import ROOT, make_submission, outputs
 from toyllm.grading import grade
 from toyllm.grading.guard import exercise_functions
 from toyllm.grading.sandbox import model_answers_for
@@ -35,8 +35,8 @@ def test_another_exercises_model_answer_earns_nothing(tmp_path):
     report = grade(submission, only=["1.1", "5.1"])
     scores = report.by_exercise()
     for exercise in ("1.1", "5.1"):
-        outputs = [t.output for t in report.tests if t.exercise == exercise]
-        assert scores[exercise][0] == 0 < scores[exercise][1], (exercise, outputs)
-        assert any("must be your own code" in out for out in outputs), (exercise, outputs)
+        said = outputs(report, exercise)
+        assert scores[exercise][0] == 0 < scores[exercise][1], (exercise, said)
+        assert any("must be your own code" in out for out in said), (exercise, said)
     answers = grade("solutions", only=["1.1", "5.1"]).by_exercise()
     assert all(got == most for got, most in answers.values()), answers

@@ -407,6 +407,17 @@ def _boundary_search_by_exercise(cost: CostFn, context: int, min_stride: int = 1
     return f.result((0, first, C))
 
 
+def _grid_setup(cost: CostFn, context: int, world_size: int, stride: int | None, min_stride: int, span: int,
+                progress: bool) -> tuple[int, int, int, int, "_MemoCost"]:
+    """The checks and the memo shared by both grid searches: (C, p, first stride, min stride, memoised cost)."""
+    C, p = _check_context_and_world(context, world_size)
+    span = _check_int(span, "span")
+    if span < 1:
+        raise ValueError(f"span must be at least 1 (grid offsets -span..span), got {span}")
+    stride, min_stride = _strides(C, p, span, stride, min_stride)
+    return C, p, stride, min_stride, _MemoCost(cost, _progress_bar(progress, f"grid search p={p}"))
+
+
 @shortcut("6.1", "6.2", student="_grid_search_by_exercise")
 def hierarchical_grid_search(cost: CostFn, context: int, world_size: int, stride: int | None = None,
                              min_stride: int = 1, span: int = 2, recenter: bool = True,
@@ -430,12 +441,7 @@ def hierarchical_grid_search(cost: CostFn, context: int, world_size: int, stride
     so the first grid reaches about one even chunk either way
     (C=96, p=3 gives 8, as in the paper's Fig. 6).
     """
-    C, p = _check_context_and_world(context, world_size)
-    span = _check_int(span, "span")
-    if span < 1:
-        raise ValueError(f"span must be at least 1 (grid offsets -span..span), got {span}")
-    stride, min_stride = _strides(C, p, span, stride, min_stride)
-    f = _MemoCost(cost, _progress_bar(progress, f"grid search p={p}"))
+    C, p, stride, min_stride, f = _grid_setup(cost, context, world_size, stride, min_stride, span, progress)
 
     best = tuple(boundaries_from_chunks(even_partition(C, p)))
     if p == 1:
@@ -473,12 +479,7 @@ def _grid_search_by_exercise(cost: CostFn, context: int, world_size: int, stride
     """``hierarchical_grid_search`` in the student edition: Exercise 6.2 searches from the same first stride
     (``recenter`` is unused: the exercise's levels are its own); every evaluation is recorded at level 0 and
     the first stride."""
-    C, p = _check_context_and_world(context, world_size)
-    span = _check_int(span, "span")
-    if span < 1:
-        raise ValueError(f"span must be at least 1 (grid offsets -span..span), got {span}")
-    stride, min_stride = _strides(C, p, span, stride, min_stride)
-    f = _MemoCost(cost, _progress_bar(progress, f"grid search p={p}"))
+    C, p, stride, min_stride, f = _grid_setup(cost, context, world_size, stride, min_stride, span, progress)
     f.stride = stride
     if p == 1:
         f((0, C))
