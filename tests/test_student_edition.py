@@ -204,7 +204,7 @@ def test_the_edition_holds_no_answer_and_no_instructor_file(student_edition):
     out = student_edition
     assert edition.find_answers(out, edition.answer_texts(ROOT)) == []
     for gone in edition.INSTRUCTOR_ONLY:
-        assert not (out / gone).exists(), gone
+        assert not (out / gone).exists() and not list(out.glob(gone + "*")), gone
     assert 'EDITION = "student"' in (out / "toyllm" / "answers.py").read_text()
     for path in (out / "exercises").glob("ex*.py"):
         text = path.read_text()
@@ -214,6 +214,13 @@ def test_the_edition_holds_no_answer_and_no_instructor_file(student_edition):
     assert "student edition" in (out / "README.md").read_text()
     steps = (out / "toyllm" / "parallel" / "steps.py").read_text()
     assert "layer.qkv" not in steps and "chain.irecv" not in steps       # every step is an exercise's
+
+
+def test_every_test_of_the_edition_collects_there(student_edition):
+    """A test module the edition ships may not lean on one it leaves out (a helper of the grader's tests)."""
+    run = _in_edition(student_edition, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests",
+                      timeout=300)
+    assert run.returncode == 0 and " error" not in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
 
 
 def test_a_shortcut_with_a_stand_in_calls_it_in_the_edition(student_edition):

@@ -44,13 +44,13 @@ from .course import course_root
 from .references import write_expected_values
 from .stubs import HINT_LEVELS, make_stub
 
-# Files of the instructor edition that a class does not get.
+# Files of the instructor edition that a class does not get: paths, and prefixes of paths (the grader's own
+# tests, tests/test_grader*.py, grade the model answers and the hostile submissions of the fixtures).
 # The tests of checking again and of step diagnostics are built from the model answers (they read solutions/,
 # and the diagnostics' test carries answer lines of 4.2 and 5.1).
-INSTRUCTOR_ONLY = ("solutions/", "tests/fixtures/submissions/", "tests/test_grader.py", "tests/test_grading_04_05.py",
+INSTRUCTOR_ONLY = ("solutions/", "tests/fixtures/submissions/", "tests/test_grader", "tests/test_grading_04_05.py",
                    "tests/test_student_edition.py", "tests/test_checking_again.py", "tests/test_step_diagnostics.py",
-                   "tests/test_stored_expected.py", "tests/test_grader_reading.py", "tests/test_messages.py",
-                   "docs/grading.md")
+                   "tests/test_stored_expected.py", "tests/test_messages.py", "docs/grading.md")
 
 _BEGIN = re.compile(r"^[ \t]*# BEGIN SOLUTION (\d+\.\d+)")
 _END = re.compile(r"^[ \t]*# END SOLUTION\s*$")
@@ -288,7 +288,7 @@ def _files(root: Path) -> tuple[list[str], list[str]]:
 
 def _left_out(untracked: list[str]) -> str:
     """The line ``build`` prints about what the edition does not hold."""
-    line = "left out: " + ", ".join(INSTRUCTOR_ONLY)
+    line = "left out: " + ", ".join(p if p.endswith(("/", ".py", ".md")) else f"{p}*.py" for p in INSTRUCTOR_ONLY)
     if untracked:
         shown = ", ".join(untracked[:5]) + (", ..." if len(untracked) > 5 else "")
         line += f" and {len(untracked)} untracked file{'s' * (len(untracked) > 1)} ({shown})"
