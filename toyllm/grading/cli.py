@@ -39,6 +39,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-mb", type=int, default=DEFAULT_MEMORY_MB, metavar="MB",
                         help=f"address-space limit of the submission's process in MiB, {MIN_MEMORY_MB} to this "
                              f"machine's memory (default: {DEFAULT_MEMORY_MB})")
+    group = parser.add_argument_group("a whole class (docs/grading.md, 'Grading a class')")
+    group.add_argument("--class", dest="class_dir", default=None, metavar="SUBMISSIONS",
+                       help="grade every student of this folder: one folder or .zip per student, named by the student")
+    group.add_argument("--gradebook", default=None, metavar="PATH.csv",
+                       help="the class's gradebook to write, and to resume from (students graded there are skipped)")
+    group.add_argument("--results-dir", default=None, metavar="DIR",
+                       help="where each student's results.json goes (default: GRADEBOOK-results/ beside the gradebook)")
+    group.add_argument("--jobs", type=int, default=None, metavar="N",
+                       help="students graded at once (default: one per core, as many as memory holds; printed)")
+    group.add_argument("--regrade", action="store_true", help="grade every student again, even those already graded")
+    group.add_argument("--student-timeout", type=float, default=3600, metavar="S",
+                       help="seconds after which one student's grading stops as timed out (default: 3600)")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -69,6 +81,9 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.class_dir is not None:
+        from .gradebook import run as grade_class
+        return grade_class(args)
     try:
         report = grade(args.impl, only=only, extra_tests=args.extra_tests, results_path=args.results,
                        per_test_timeout_s=args.timeout, verbose=True, memory_limit_mb=args.memory_mb)
