@@ -69,6 +69,28 @@ def test_run_parallel_passes_args_kwargs_and_returns_cpu_tensors():
     torch.testing.assert_close(out[1], torch.tensor([11.0, 2.0]))
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("fail", [False, True])
+def test_what_the_workers_ran_is_recorded_in_the_parent(fail, monkeypatch):
+    """A failed test names the exercises the engine ran for it, also those its worker processes ran."""
+    from toyllm import answers
+
+    monkeypatch.setenv("TOYLLM_IMPL", "solutions")
+    answers.ran.clear()
+    with WorkerPool(2, timeout_s=60) as pool:
+        if fail:                                   # a failed task closes the pool: its record still arrives
+            with pytest.raises(WorkerError, match="fails after asking"):
+                pool.run(W.asks_for_exercise, (["2.2", "3.1"],), {"fail": True})
+            assert answers.ran == {"2.2", "3.1"}
+        else:
+            assert pool.run(W.asks_for_exercise, (["2.2", "3.1"],)) == [0, 1]
+            assert answers.ran == {"2.2", "3.1"}
+            answers.ran.clear()
+            pool.run(W.asks_for_exercise, (["8.4", "8.4"],))      # each task's own record, not the last one's too
+            assert answers.ran == {"8.4"}
+    answers.ran.clear()
+
+
 @pytest.mark.timeout(40)
 def test_rank_that_raises_fails_the_run_with_its_traceback(tmp_path):
     with pytest.raises(WorkerError) as info:

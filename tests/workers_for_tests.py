@@ -83,6 +83,16 @@ def failing_step(layer, x, pos, comm, attention):
     return kvr_layer(layer, x, pos, comm, attention)
 
 
+def asks_for_exercise(ctx, numbers: list[str], fail: bool = False):
+    """Rank r asks toyllm for Exercise ``numbers[r]`` (as the engine's kernels and steps do), then raises if ``fail``."""
+    from toyllm import answers
+
+    answers.exercise(numbers[ctx.rank])
+    if fail:
+        raise RuntimeError(f"rank {ctx.rank} fails after asking for {numbers[ctx.rank]}")
+    return ctx.rank
+
+
 def main() -> None:
     from toyllm.launch import init_from_env, launched_by_torchrun
 
@@ -101,3 +111,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+

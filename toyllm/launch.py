@@ -36,7 +36,8 @@ How the launcher works, and why:
   keeps gloo on the loopback interface, whatever network the machine has.
 - Each rank reports back through its own pipe: "ready" after joining the
   process group, then one "ok" (with the pickled result) or one "error" (with
-  the formatted traceback) per task. The parent waits on all pipes *and* on
+  the formatted traceback) per task, each with the exercises the task ran
+  (added to the parent's ``toyllm.answers.ran``). The parent waits on all pipes *and* on
   the process handles with a short poll, so it notices at once a rank that
   raised, a rank that died without a word (segfault, ``os._exit``, killed),
   and the wall-clock limit. It never blocks without a timeout.
@@ -72,6 +73,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from . import answers
 from .supervise import describe_exit, signal_group
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -268,12 +270,13 @@ def _worker_main(rank: int, world_size: int, backend: str, port: int, pg_timeout
                 return
             if data == _STOP:
                 return
+            answers.ran.clear()
             try:
                 fn, args, kwargs = pickle.loads(data)
                 reply = ("ok", pickle.dumps(to_cpu(fn(ctx, *args, **kwargs))))
             except BaseException:
                 reply = ("error", traceback.format_exc())
-            _send(conn, reply)
+            _send(conn, (*reply, sorted(answers.ran)))      # the exercises this task ran, for the parent's record
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -483,10 +486,13 @@ class WorkerPool:
                     continue
                 pending.discard(rank)
                 try:
-                    kind, payload = pickle.loads(conns[rank].recv_bytes())
+                    kind, payload, *ran = pickle.loads(conns[rank].recv_bytes())
                 except (EOFError, OSError):
                     failures.append(self._died(rank, starting=expect == "ready"))
                     continue
+                # What a task ran in the workers counts as run here: a failed test then names the exercises
+                # the engine ran for it (toyllm.answers.ran), wherever they ran.
+                answers.ran.update(*ran)
                 if kind == "error":
                     failures.append(WorkerError(rank, f"rank {rank} of {self.world_size} failed in {what}:\n"
                                                       f"{payload}", traceback=payload))
