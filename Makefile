@@ -17,7 +17,7 @@ CHECK_PY = @$(PY) -c 'import sys; v = sys.version_info[:3]; sys.exit(0 if (3, 11
 	  "toyllm needs Python 3.11.5 or a later 3.11 (requirements.lock is resolved for it); %s is Python %d.%d.%d. Install one (e.g. with pyenv) and run make PY=/path/to/python3.11 ..." % (sys.executable, *v))'
 CHROMIUM_HINT := the browser test needs Debian's Chromium and its driver: apt-get install chromium chromium-driver
 
-.PHONY: setup demo test test-browser lab bench exercises student lock clean
+.PHONY: setup demo test test-browser lab bench exercises student autograder lock clean
 
 setup: $(STAMP)
 
@@ -58,6 +58,12 @@ exercises: setup
 student: setup
 	@test -n "$(OUT)" || { echo "make student: say where, e.g. make student OUT=../toyllm-student"; exit 2; }
 	$(PYTHON) -m toyllm.grading.edition --out "$(OUT)" --hints $(or $(HINTS),idea)
+
+# The zip to upload to Gradescope (docs/grading.md, "Gradescope"): make autograder OUT=autograder.zip
+# [HIDDEN=path/to/hidden_tests] [ONLY=ex03].
+autograder: setup
+	@test -n "$(OUT)" || { echo "make autograder: say where, e.g. make autograder OUT=autograder.zip"; exit 2; }
+	$(PYTHON) -m toyllm.grading.autograder build --out "$(OUT)" $(if $(HIDDEN),--extra-tests "$(HIDDEN)") $(if $(ONLY),--only "$(ONLY)")
 
 # Resolve requirements.txt into the lock, keeping every version already locked (a package new to
 # requirements.txt gets its newest version). `make lock UPGRADE=1` moves every package forward.
