@@ -134,6 +134,21 @@ def test_bars_and_distribution():
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()][1] == "\\n"   # control characters made visible
 
 
+@pytest.mark.parametrize("names", [
+    ["1 process, 1 thread", "1 process, 2 threads", "TSP", "KVR-E", "KVR, 60% on rank 0"],   # lesson 05's runs
+    [f"configuration_without_spaces_{i}" for i in range(6)],                                # no place to wrap
+])
+def test_bar_names_never_overlap(names):
+    fig = viz.plot_bars({name: 0.1 * (i + 1) for i, name in enumerate(names)}, ylabel="TTFT (s)")
+    ax = fig.axes[0]
+    renderer = fig.canvas.get_renderer()
+    drawn = [t for t in ax.get_xticklabels() + ax.get_yticklabels() if t.get_text().replace("\n", " ") in names]
+    assert len(drawn) == len(names) and len(ax.patches) == len(names)
+    boxes = [t.get_window_extent(renderer) for t in drawn]
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:]), [t.get_text() for t in drawn]
+    plt.close(fig)
+
+
 @pytest.mark.parametrize("bandwidths", [[1, 10, 100, 1000], [0.5, 300], [3.0], [300, 10, 1]])
 def test_speedup_map_axes_span_the_given_values_not_decades_more(bandwidths):
     contexts = [512, 1024, 4096]

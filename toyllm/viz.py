@@ -16,6 +16,7 @@ figure is that axes' figure), so pictures can be combined in subplots.
 """
 from __future__ import annotations
 
+import textwrap
 from typing import Iterable, Mapping, Sequence
 
 import matplotlib.pyplot as plt
@@ -273,15 +274,49 @@ def plot_ttft_curves(contexts: Sequence[int], curves: Mapping[str, Sequence[floa
 
 # --------------------------------------------------------------------------- small bar charts
 
+# Widths (characters per line) tried, widest first, for names too long for the space under their bar.
+_WRAP_WIDTHS = (16, 12, 8)
+
+
+def _names_collide(fig: Figure, ax) -> bool:
+    """Do any two of the x-axis names of ``ax``, as drawn, overlap?"""
+    renderer = fig.canvas.get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_text()]
+    return any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+
 def plot_bars(values: Mapping[str, float], *, ax=None, ylabel: str = "", title: str = "",
               fmt: str = "{:.3g}", horizontal: bool = False) -> Figure:
-    """One bar per entry of ``values`` (label -> number), each bar labelled with ``fmt``."""
+    """One bar per entry of ``values`` (label -> number), each bar labelled with ``fmt``.
+
+    The names under vertical bars never overlap: names too wide for their bars
+    are wrapped at their spaces, and where even that leaves two touching, the
+    bars are drawn horizontally instead, one name per row.
+    """
     if not values:
         raise ValueError("values is empty: give at least one {label: number}")
     fig, ax = _new_axes(ax, figsize=(6, 3.2))
-    labels, nums = list(values), list(values.values())
-    bars = (ax.barh if horizontal else ax.bar)(labels, nums, color="#4C72B0")
-    ax.bar_label(bars, labels=[fmt.format(v) for v in nums], fontsize=8)
+    labels, nums = [str(k) for k in values], list(values.values())
+    if not horizontal:
+        ax.bar_label(ax.bar(range(len(nums)), nums, color="#4C72B0"), labels=[fmt.format(v) for v in nums],
+                     fontsize=8)
+        ax.set_xticks(range(len(nums)), labels)
+        fig.tight_layout()
+        for width in _WRAP_WIDTHS:
+            if not _names_collide(fig, ax):
+                break
+            ax.set_xticks(range(len(nums)), [textwrap.fill(name, width, break_long_words=False, break_on_hyphens=False)
+                                              for name in labels])
+            fig.tight_layout()
+        else:
+            if _names_collide(fig, ax):
+                ax.clear()
+                horizontal = True
+    if horizontal:
+        bars = ax.barh(range(len(nums)), nums, color="#4C72B0")
+        ax.set_yticks(range(len(nums)), labels)
+        ax.bar_label(bars, labels=[fmt.format(v) for v in nums], fontsize=8)
+    ax.margins(**{"x" if horizontal else "y": 0.12})       # room for the number past the longest bar
     (ax.set_xlabel if horizontal else ax.set_ylabel)(ylabel)
     ax.set_title(title)
     fig.tight_layout()
