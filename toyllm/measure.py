@@ -424,13 +424,13 @@ class PrefillComparison:
         return out
 
     def fastest_line(self) -> str:
-        """Which configuration has the lowest median, and whether its runs set it apart from the runner-up."""
+        """Which configuration has the lowest median, and whether its runs set it apart from the runner-up
+        (a tie, or too few rounds to decide, leaves no single fastest)."""
         first, second = sorted(self.runs, key=lambda name: self.runs[name].median)[:2]
         v = compare(self.runs[first], self.runs[second])
         if v.decided:
             return f"fastest here: {first}, {v.than} {second}, the runner-up"
-        return (f"lowest median here: {first}, but it ties with the runner-up, {second} ({v.ratio:.2f}x, inside "
-                "the spread of the runs): no single fastest")
+        return f"lowest median here: {first}, {v.than} {second}, the runner-up: no single fastest"
 
 
 def compare_prefills(spec, ids: Sequence[int], parallel: dict[str, dict], *, single_spec=None, rounds: int = 3,
