@@ -99,7 +99,7 @@ def test_the_cycle_finder_finds_a_cycle():
 
 # Lower layers never import higher ones (docs/architecture.md draws the same picture).
 LAYERS = [
-    {"toyllm.utils", "toyllm.timeline", "toyllm.gguf_file", "toyllm.supervise",
+    {"toyllm.utils", "toyllm.timeline", "toyllm.gguf_file", "toyllm.supervise", "toyllm.checks",
      # the course: which implementation of the exercises runs, and the sandbox that runs a submission
      "toyllm.answers", "toyllm.grading.course", "toyllm.grading.impl", "toyllm.grading.stubs",
      "toyllm.grading.sandbox", "toyllm.grading.guard", "toyllm.grading.wire", "toyllm.grading.launcher",

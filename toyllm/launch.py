@@ -74,6 +74,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import answers
+from .checks import check_int, check_number
 from .supervise import describe_exit, signal_group
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -135,14 +136,11 @@ def _resolve_backend(backend: str, n_local_ranks: int) -> str:
 
 
 def _check_world_size(world_size: int) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1 (the number of processes), got {world_size!r}")
+    check_int(world_size, "world_size must be an int >= 1 (the number of processes)", 1)
 
 
 def _check_timeout(timeout_s: float) -> float:
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    return float(timeout_s)
+    return check_number(timeout_s, "timeout_s must be a positive number of seconds")
 
 
 def _check_fn(fn: Callable) -> None:
@@ -350,8 +348,7 @@ class WorkerPool:
         _check_world_size(world_size)
         self.timeout_s = _check_timeout(timeout_s)
         self.backend = _resolve_backend(backend, world_size)
-        if isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int) or threads_per_rank < 1:
-            raise ValueError(f"threads_per_rank must be an int >= 1, got {threads_per_rank!r}")
+        check_int(threads_per_rank, "threads_per_rank must be an int >= 1", 1)
         env = dict(env or {})
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
             raise ValueError("env must map environment variable names (str) to values (str)")

@@ -39,6 +39,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from .checks import check_int
+
 # Medians within 1 percent are a tie even when the rank test rejects: closer than that, a difference is
 # smaller than what moves between two series of runs on an ordinary machine.
 MIN_EFFECT = 0.01
@@ -251,8 +253,7 @@ def interleaved_runs(fns: dict[str, Callable[[], float | None]], rounds: int, wa
     number reports its own seconds (a parallel prefill's TTFT, timed inside
     the workers); otherwise the call is timed here, by the wall clock.
     """
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
+    check_int(rounds, "rounds must be an int >= 1", 1)
     runs: dict[str, list[float]] = {name: [] for name in fns}
     for r in range(warmup + rounds):
         for name, fn in fns.items():

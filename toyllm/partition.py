@@ -31,7 +31,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -39,6 +38,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .answers import answer, exercise, shortcut
+from .checks import check_int, is_int, is_number
 
 METHODS = ("kvr", "tsp")
 
@@ -48,9 +48,8 @@ CostFn = Callable[[list[int]], float]   # chunks (tokens per rank) -> seconds
 # --------------------------------------------------------------------------- partitions
 
 def _check_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    return int(value)
+    """``value`` as an int, or "<name> must be an integer, got ..." (``checks.check_int``)."""
+    return check_int(value, f"{name} must be an integer")
 
 
 def _check_context_and_world(context, world_size) -> tuple[int, int]:
@@ -88,7 +87,7 @@ def validate_partition(chunks: Sequence[int], context: int | None = None,
         raise ValueError("a partition needs at least one chunk")
     out = []
     for i, c in enumerate(chunks):
-        if isinstance(c, bool) or not isinstance(c, numbers.Integral):
+        if not is_int(c):
             raise ValueError(f"chunk {i} of {list(chunks)} is not an integer number of tokens: {c!r}")
         if c < 1:
             raise ValueError(f"chunk {i} of {list(chunks)} is {c}: every rank needs at least one token")
@@ -146,7 +145,7 @@ def _checked_ratios(context: int, ratios: Sequence[float]) -> tuple[int, int, li
     C, p = _check_context_and_world(context, len(ratios))
     r = []
     for i, x in enumerate(ratios):
-        if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or x <= 0:
+        if not is_number(x) or not math.isfinite(x) or x <= 0:
             raise ValueError(f"ratio {i} is {x!r}: ratios must be positive finite numbers")
         r.append(float(x))
     return C, p, r

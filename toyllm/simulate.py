@@ -42,6 +42,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .answers import shortcut
+from .checks import check_int
 from .model import ModelConfig
 from .partition import even_partition, prefixes, search_partition, ttft_lower_bound, validate_partition
 from .timeline import Event
@@ -114,8 +115,7 @@ class CostModel:
         bw = self.link_bandwidth_bytes_per_s
         if not (isinstance(bw, (int, float)) and bw > 0):
             raise ValueError(f"CostModel.link_bandwidth_bytes_per_s must be positive (bytes/s), got {bw!r}")
-        if isinstance(self.key_alignment, bool) or not isinstance(self.key_alignment, int) or self.key_alignment < 1:
-            raise ValueError(f"CostModel.key_alignment must be a whole number of tokens >= 1, got {self.key_alignment!r}")
+        check_int(self.key_alignment, "CostModel.key_alignment must be a whole number of tokens >= 1", 1)
         if self.bytes_per_value <= 0:
             raise ValueError(f"CostModel.bytes_per_value must be positive, got {self.bytes_per_value!r}")
         ag_bw, ag_lat = self.allgather_bandwidth_bytes_per_s, self.allgather_latency_s

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ..answers import shortcut
 from ..attention import ATTENTION_KERNELS, get_attention
 from ..cache import DynamicKVCache
+from ..checks import check_int, is_int
 from ..generation import generate
 from ..launch import RankContext, WorkerPool, init_from_env, run_parallel, to_cpu
 from ..model import get_config
@@ -118,11 +119,10 @@ def check_prefill_request(spec: ModelSpec, ids, method: str, world_size: int, pa
         raise ValueError("the prompt is empty: give at least one token")
     if C > cfg.max_context:
         raise ValueError(f"context of {C} tokens is longer than {spec.name}'s max_context ({cfg.max_context} tokens)")
-    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < cfg.vocab_size]
+    bad = [t for t in ids if not is_int(t) or not 0 <= t < cfg.vocab_size]
     if bad:
         raise ValueError(f"token ids must be integers in [0, {cfg.vocab_size}) for {spec.name}, got {bad[:5]}")
-    if isinstance(decode_tokens, bool) or not isinstance(decode_tokens, int) or decode_tokens < 0:
-        raise ValueError(f"decode_tokens must be an integer >= 0, got {decode_tokens!r}")
+    check_int(decode_tokens, "decode_tokens must be an integer >= 0", 0)
     if C + decode_tokens > cfg.max_context:
         raise ValueError(f"context ({C} tokens) + decode_tokens ({decode_tokens}) exceeds {spec.name}'s "
                          f"max_context ({cfg.max_context}); decode at most {cfg.max_context - C} tokens")
