@@ -321,7 +321,7 @@ class MachineState:
         t = self.threads.sentence("2 threads", "1 thread")
         if self.oversubscribed:
             return (f"{head}; oversubscribed: {t}. Another program holds a core: parallel timings below are "
-                    "distorted, and the one-process baseline is the faster thread count")
+                    "distorted, and a one-process baseline takes 1 thread where its own runs show 2 threads slower")
         if self.loaded:
             return (f"{head} (above the core count: busy); {t}. Expect noisy timings; ties are likely")
         return f"{head}; {t}"
