@@ -12,7 +12,7 @@ for each submission), beside the course files the grader needs (the files git tr
 
 ``run`` grades ``ROOT/submission`` (what the student uploaded: files, a folder, a checkout) as
 ``grade --class`` grades one student (``gradebook.prepare``: only the course's exercise files, from the
-shallowest folder holding one) and writes ``ROOT/results/results.json`` in Gradescope's format.
+folder holding the most of them) and writes ``ROOT/results/results.json`` in Gradescope's format.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ sandboxes share nothing with another grading's (docs/grading.md, "Gradings side 
 
 What a student handed in is untrusted and often untidy: a zip of a folder, a whole checkout, a
 notebook, stray files. ``prepare`` picks out the course's exercise files (the names of
-``exercises/exNN_*.py``) from the shallowest folder that holds any, copies only their text into a
+``exercises/exNN_*.py``) from the folder that holds the most of them, copies only their text into a
 fresh folder (through ``read_submission``: regular files only, no links, size caps), and says in one
 note what it left out. A zip is read member by member, never extracted by its own paths.
 
@@ -119,8 +119,13 @@ def find_submissions(folder: Path) -> tuple[list[Submission], list[str]]:
 
 
 def _choose(paths: list[PurePosixPath], wanted: set[str]) -> tuple[PurePosixPath | None, list[PurePosixPath]]:
-    """(the folder to grade: the shallowest holding a course file, first by name; every path not graded)."""
-    folders = sorted({p.parent for p in paths if p.name in wanted}, key=lambda f: (len(f.parts), str(f)))
+    """(the folder to grade: the one holding the most course files, then the shallowest, then the first by name;
+    every path not graded). A stray copy beside a checkout's ``exercises/`` does not take its place."""
+    held: dict[PurePosixPath, int] = {}
+    for p in paths:
+        if p.name in wanted:
+            held[p.parent] = held.get(p.parent, 0) + 1
+    folders = sorted(held, key=lambda f: (-held[f], len(f.parts), str(f)))
     chosen = folders[0] if folders else None
     ignored = [p for p in paths if p.parent != chosen or p.name not in wanted]
     return chosen, ignored
@@ -170,7 +175,7 @@ def _zip_listing(archive: zipfile.ZipFile) -> tuple[dict[PurePosixPath, zipfile.
 
 
 def _unzip(path: Path, into: Path, wanted: set[str]) -> tuple[str, list[PurePosixPath], list[str]]:
-    """Write the course files of zip ``path`` (from the shallowest folder holding any) into ``into``.
+    """Write the course files of zip ``path`` (from the folder holding the most, ``_choose``) into ``into``.
 
     Returns (the folder they came from, the members not graded, the members refused). Each is read
     through zipfile at most ``MAX_FILE_BYTES`` (+1, to tell a larger one) and written under its own
@@ -212,7 +217,7 @@ def prepare(submission: Path, into: Path) -> tuple[int, list[str]]:
     """Copy the course's exercise files of one submission (a folder or a zip) into the empty folder ``into``.
 
     Returns (how many files were copied, notes on what was not graded and why). Raises ``_Refused``
-    when nothing can be read at all. The files come from the shallowest folder that holds one
+    when nothing can be read at all. The files come from the folder that holds the most of them
     (``ann/``, ``ann/exercises/``, ``toyllm-student/exercises/`` inside a zip); they are read by
     ``read_submission``, so a link, a device or an oversized file there is not graded either.
     """
