@@ -5,8 +5,7 @@ import pytest
 
 import toyllm
 import toyllm.bench
-import toyllm.bench_decode
-import toyllm.cli
+import toyllm.demo
 from toyllm import answers
 from toyllm.cli import main
 
@@ -34,10 +33,10 @@ def test_the_demo_names_each_missing_exercise_up_front_and_runs_what_needs_none(
     monkeypatch.setattr(toyllm, "load_model", lambda *args, **kwargs: (None, SimpleNamespace(
         encode_chat=lambda text: [1, 2], eos_id=0)))
     monkeypatch.setattr(toyllm, "generate", chat)
-    monkeypatch.setattr(toyllm.bench_decode, "demo_decode_speed", part("decode speed"))
+    monkeypatch.setattr(toyllm.demo, "demo_decode_speed", part("decode speed"))
     monkeypatch.setattr(toyllm.bench, "naive_vs_cached",
                         lambda *args, **kwargs: ran.append("naive vs cached") or {"verdict": verdict, "identical": True})
-    monkeypatch.setattr(toyllm.cli, "demo_prefill", part("parallel prefill"))
+    monkeypatch.setattr(toyllm.demo, "demo_prefill", part("parallel prefill"))
 
     assert main(["demo"]) == 0
     out = capsys.readouterr().out.splitlines()

@@ -9,7 +9,7 @@ torch.profiler's count of operator calls and bytes allocated, and the share
 spent in the matrix products), and ``compile_trial`` whether torch.compile
 makes the step faster. ``python -m toyllm bench --only
 weights|batched|decode_step`` writes the tables of docs/benchmarks.md from
-these; the demo prints a short version.
+these; the demo (``toyllm.demo``) prints a short version.
 Formats alternate round by round, so the ratios compare runs made under
 the same load.
 """
@@ -160,23 +160,6 @@ def smollm2_formats(formats=WEIGHT_FORMATS, new_tokens: int = 32, rounds: int = 
                             calls_per_step=profile_decode_step(m, len(ids), steps=2)["top_level_calls"])
     return {"prompt_len": len(ids), "new_tokens": new_tokens, "rounds": rounds, "attention": attention, "rows": rows,
             **({"bandwidth_runs": bandwidth_runs} if floor else {})}
-
-
-def demo_decode_speed(formats=("fp32", "fp16", "bf16", "int8"), out=None) -> dict:
-    """The demo's lines: SmolLM2 tokens/s in float32 and in the fastest format that still answers Paris."""
-    out = out or sys.stdout
-    data = smollm2_formats(formats, new_tokens=16, rounds=3)
-    rows = {r["format"]: r for r in data["rows"]}
-    ok = [r for r in data["rows"] if r["paris"]]
-    for r in data["rows"]:
-        print(f"  {r['format']:>4}: {r['tokens_per_s']:5.1f} tokens/s, {r['bytes_per_token'] / 1e6:4.0f} MB read per "
-              f"token, answer {'names Paris' if r['paris'] else 'MISSES Paris'}", file=out)
-    if ok and "fp32" in rows:
-        best = max(ok, key=lambda r: r["tokens_per_s"])
-        verdict = best["vs_fp32"]
-        print(f"{'fastest' if verdict.word == 'faster' else 'lowest median'} of the formats that still answer "
-              f"Paris: {best['format']}; per token, {verdict.sentence(best['format'], 'fp32')}", file=out)
-    return data
 
 
 # The operators that multiply by the weight matrices, one per weight format's kernel (toyllm.quant).
