@@ -1,8 +1,11 @@
 """The two caches: same contents, and the static buffer's copy accounting."""
+import math
+
 import pytest
 import torch
 
 from toyllm import DynamicKVCache, StaticKVCache, build_model, make_cache
+from toyllm.cache import KVCache, copy_into
 
 
 def _fill(cache, steps, n_layers=2, seed=0):
@@ -167,3 +170,26 @@ def test_a_cache_filled_by_generate_serves_later_calls_with_or_without_autograd(
     assert cache.length == 8
     expected = model(torch.tensor([[1, 2, 3, *result.output_ids, 5]]))[0, -1]
     torch.testing.assert_close(logits[0, -1], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_both_caches_tell_their_batch_and_free_room_through_the_protocol():
+    dyn, sta = DynamicKVCache(2), StaticKVCache(2, 2, 8, window=19, batch=1)
+    assert isinstance(dyn, KVCache) and isinstance(sta, KVCache)
+    assert dyn.batch_size is None and dyn.free_tokens == math.inf       # an empty dynamic cache takes any batch
+    assert sta.batch_size == 1 and sta.free_tokens == 19
+    _fill(dyn, [5, 1])
+    _fill(sta, [5, 1])
+    assert dyn.batch_size == 1 and sta.free_tokens == 13
+
+
+def test_copying_a_cache_into_another_appends_every_layer_and_refuses_one_too_small():
+    src = DynamicKVCache(2)
+    _fill(src, [5, 1])
+    dst = copy_into(src, StaticKVCache(2, 2, 8, window=9))
+    assert dst.length == 6 and dst.free_tokens == 3
+    for (k, v), (k2, v2) in zip(src, dst):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    with pytest.raises(ValueError, match="the static cache has room for 3 more tokens, not the 6"):
+        copy_into(src, dst)
+    with pytest.raises(ValueError, match="cannot copy a cache of 2 layers into one of 3"):
+        copy_into(src, DynamicKVCache(3))

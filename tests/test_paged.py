@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from toyllm import build_model
-from toyllm.cache import DynamicKVCache
+from toyllm.cache import DynamicKVCache, KVCache
 from toyllm.generation import generate
 from toyllm.paged import BlockPool, PagedKVCache
 from toyllm.utils import random_prompt
@@ -145,3 +145,18 @@ def test_bad_pools_and_batches_are_refused(model):
     with pytest.raises(ValueError, match="batch 1"):
         cache.update(0, torch.zeros(2, model.config.n_kv_heads, 1, model.config.head_dim),
                      torch.zeros(2, model.config.n_kv_heads, 1, model.config.head_dim))
+
+
+@torch.no_grad()
+def test_a_paged_cache_counts_its_free_rows_and_generate_asks_it_before_any_work(model):
+    ids = random_prompt(6, model.config.vocab_size, seed=2)
+    cache = PagedKVCache(_pool(model, n_blocks=3, block_size=4))
+    assert isinstance(cache, KVCache) and cache.batch_size == 1 and cache.free_tokens == 12
+    model(torch.tensor([ids]), cache=cache)
+    assert cache.free_tokens == 2 + 4                     # the rest of its second block, then the free one
+    other = cache.fork()
+    assert other.free_tokens == cache.free_tokens == 2    # the shared block is copied into the free one first
+    with pytest.raises(ValueError, match="needs 25 free rows but the paged cache has 12"):
+        generate(model, ids, 20, cache=PagedKVCache(_pool(model, n_blocks=3, block_size=4)))
+    with pytest.raises(ValueError, match="the paged cache was built for batch 1, but prompt_ids has 2 prompts"):
+        generate(model, [ids, ids], 2, cache=PagedKVCache(_pool(model)))

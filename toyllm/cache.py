@@ -1,6 +1,8 @@
 """KV caches: keep each layer's keys and values so decoding never recomputes them.
 
-Both caches have the same interface, so generation can use either:
+Every cache implements the ``KVCache`` protocol, so generation, serving and
+the disaggregated handover use any of them (this module's two and
+``toyllm.paged.PagedKVCache``) without reading their insides:
 
 - ``cache.update(layer, k, v)`` appends this call's K and V, shaped
   (B, Hkv, T, D), to layer ``layer`` and returns all of that layer's K and V
@@ -8,6 +10,8 @@ Both caches have the same interface, so generation can use either:
 - ``cache.length`` is the number of tokens the cache holds (after a whole
   forward pass has updated every layer).
 - ``cache.keys(layer)`` / ``cache.values(layer)`` read a layer back.
+- ``cache.batch_size`` and ``cache.free_tokens`` say which batch it takes
+  and how many more tokens fit, so a request is refused before any work.
 
 ``DynamicKVCache`` grows by concatenation: simple, but each append copies the
 whole layer (with ``headroom``, only every few appends). ``StaticKVCache``
@@ -16,10 +20,61 @@ must, and makes appending free.
 """
 from __future__ import annotations
 
+import math
+from typing import Iterator, Protocol, runtime_checkable
+
 import torch
 
 from .answers import shortcut
 from .model import ModelConfig
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    """What every KV cache offers: the interface ``generate``, ``serve`` and ``serve_disaggregated`` rely on.
+
+    Sizes are in tokens (rows per sequence and K/V head); tensors are
+    (B, Hkv, S, D): batch, K/V heads, tokens, head dimension.
+    """
+
+    kind: str                       # its name in messages ("dynamic", "static", "paged")
+    n_layers: int
+
+    @property
+    def length(self) -> int:
+        """Tokens held (after a whole forward has updated every layer)."""
+
+    @property
+    def batch_size(self) -> int | None:
+        """Sequences it holds or was built for; None while a cache that takes any batch is still empty."""
+
+    @property
+    def free_tokens(self) -> float:
+        """Tokens it can still take per sequence (``math.inf`` for a cache that grows without limit)."""
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k, v (B, Hkv, T, D) to ``layer``; return all of the layer's keys and values (B, Hkv, S, D)."""
+
+    def keys(self, layer: int) -> torch.Tensor | None:
+        """The layer's keys held, (B, Hkv, S, D)."""
+
+    def values(self, layer: int) -> torch.Tensor | None:
+        """The layer's values held, (B, Hkv, S, D)."""
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (keys, values), each (B, Hkv, S, D)."""
+
+
+def copy_into(src: KVCache, dst: KVCache) -> KVCache:
+    """Append every layer of ``src`` to ``dst`` (the rows copied into dst's own storage); returns ``dst``."""
+    if src.n_layers != dst.n_layers:
+        raise ValueError(f"cannot copy a cache of {src.n_layers} layers into one of {dst.n_layers}")
+    if src.length > dst.free_tokens:
+        raise ValueError(f"the {dst.kind} cache has room for {dst.free_tokens} more tokens, "
+                         f"not the {src.length} of the {src.kind} cache copied into it")
+    for layer in range(src.n_layers):
+        dst.update(layer, src.keys(layer), src.values(layer))
+    return dst
 
 
 class DynamicKVCache:
@@ -39,6 +94,8 @@ class DynamicKVCache:
     (per sequence and head, K and V counted once).
     """
 
+    kind = "dynamic"
+
     def __init__(self, n_layers: int, headroom: int = 0):
         if isinstance(headroom, bool) or not isinstance(headroom, int) or headroom < 0:
             raise ValueError(f"headroom must be a whole number of rows >= 0, got {headroom!r}")
@@ -55,6 +112,16 @@ class DynamicKVCache:
     @property
     def length(self) -> int:
         return self._len[-1]
+
+    @property
+    def batch_size(self) -> int | None:
+        """The batch of the first append; None before it (an empty cache takes any batch)."""
+        return None if self._k[0] is None else self._k[0].shape[0]
+
+    @property
+    def free_tokens(self) -> float:
+        """``math.inf``: the cache grows as tokens arrive."""
+        return math.inf
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         held, T = self._len[layer], k.shape[-2]
@@ -128,6 +195,8 @@ class StaticKVCache:
     ``copies`` counts those shifts; ``copied_rows`` the rows they moved.
     """
 
+    kind = "static"
+
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, window: int,
                  reserve: float = 2.0, batch: int = 1, dtype=torch.float32, device=None):
         if window < 1:
@@ -160,6 +229,16 @@ class StaticKVCache:
     @property
     def length(self) -> int:
         return self._len[-1]
+
+    @property
+    def batch_size(self) -> int:
+        """The batch it was built for."""
+        return self.k_buf.shape[1]
+
+    @property
+    def free_tokens(self) -> int:
+        """Tokens that still fit in the window (S-1 in all)."""
+        return self.window - self.length
 
     @property
     def nbytes(self) -> int:
@@ -207,13 +286,13 @@ class StaticKVCache:
 
     def __iter__(self):
         """Per-layer (keys, values), each (B, Hkv, S, D): the real rows only."""
-        return ((self.keys(i), self.values(i)) for i in range(self.k_buf.shape[0]))
+        return ((self.keys(i), self.values(i)) for i in range(self.n_layers))
 
 
-CACHES = {"dynamic": DynamicKVCache, "static": StaticKVCache}
+CACHES = {cache.kind: cache for cache in (DynamicKVCache, StaticKVCache)}
 
 
-def make_cache(kind: str, cfg: ModelConfig, max_tokens: int, **kw):
+def make_cache(kind: str, cfg: ModelConfig, max_tokens: int, **kw) -> KVCache:
     """A cache of ``kind`` ("dynamic" or "static") for sequences of up to ``max_tokens`` tokens."""
     if kind not in CACHES:
         raise ValueError(f"unknown cache {kind!r}; choose one of {sorted(CACHES)}")

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from .answers import answer, exercise, shortcut
-from .cache import DynamicKVCache, StaticKVCache, make_cache
+from .cache import KVCache, make_cache
 from .utils import random_prompt  # noqa: F401  (re-exported: tests and lessons use it from here)
 
 METHODS = ("naive", "cached")
@@ -168,12 +168,11 @@ def _check_request(model, prompts, max_new_tokens, method, cache, prefilled_logi
         if prefilled_logits.shape[-1] != cfg.vocab_size or prefilled_logits.reshape(-1, cfg.vocab_size).shape[0] != B:
             raise ValueError(f"prefilled_logits must have shape ({B}, {cfg.vocab_size}) for {B} prompt(s), "
                              f"got {tuple(prefilled_logits.shape)}")
-    if isinstance(cache, StaticKVCache) and cache.k_buf.shape[1] != B:
-        raise ValueError(f"the static cache was built for batch {cache.k_buf.shape[1]}, but prompt_ids has {B} prompts")
-    if not isinstance(cache, (str, StaticKVCache)) and method == "cached" and cache.length:
-        held_batch = next(iter(cache))[0].shape[0]
-        if held_batch != B:
-            raise ValueError(f"the cache holds {held_batch} sequence(s), but prompt_ids has {B} prompts")
+    if not isinstance(cache, str) and cache.batch_size not in (None, B):
+        if cache.length:
+            raise ValueError(f"the cache holds {cache.batch_size} sequence(s), but prompt_ids has {B} prompts")
+        raise ValueError(f"the {cache.kind} cache was built for batch {cache.batch_size}, but prompt_ids has "
+                         f"{B} prompts")
     # tokens already in the cache come before this prompt, unless the prompt is what they are
     held = 0 if isinstance(cache, str) or method == "naive" or prefilled_logits is not None else cache.length
     total = held + T
@@ -183,17 +182,17 @@ def _check_request(model, prompts, max_new_tokens, method, cache, prefilled_logi
     if total + max_new_tokens > cfg.max_context:
         raise ValueError(f"prompt ({total} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                          f"max_context={cfg.max_context}; ask for at most {cfg.max_context - total} new tokens")
-    if isinstance(cache, StaticKVCache):
+    if not isinstance(cache, str):
         needed = (0 if prefilled_logits is not None else T) + max_new_tokens - 1  # the last token is never fed back
-        if needed > cache.window - cache.length:
-            raise ValueError(f"cache too small: this request needs {needed} free rows but the static cache "
-                             f"has {cache.window - cache.length} (window S-1 = {cache.window})")
+        if needed > cache.free_tokens:
+            raise ValueError(f"cache too small: this request needs {needed} free rows but the {cache.kind} cache "
+                             f"has {cache.free_tokens}")
 
 
 @shortcut("1.1", "1.2", "1.3", "2.4")
 @torch.inference_mode()
 def generate(model, prompt_ids: list[int] | list[list[int]], max_new_tokens: int = 32, *, method: str = "cached",
-             cache: str | DynamicKVCache | StaticKVCache = "static", temperature: float = 0.0,
+             cache: str | KVCache = "static", temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
              eos_id: int | None = None, on_token: Callable[[int], None] | None = None,
              return_logits: bool = False, prefilled_logits: torch.Tensor | None = None,

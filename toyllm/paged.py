@@ -21,9 +21,9 @@ its rows and stays findable until the pool needs its room (the least
 recently returned goes first), so a system prompt computed once serves
 the requests that come after, even when none is running in between.
 
-``PagedKVCache`` has the interface of the caches in ``toyllm.cache``
-(``update``, ``length``, ``keys``, ``values``), so ``model(ids, cache=...)``
-and ``generate`` use it unchanged. All sizes are in tokens (rows) unless a
+``PagedKVCache`` implements ``toyllm.cache.KVCache``, the protocol of the
+caches there (``update``, ``length``, ``keys``, ``values``, ``batch_size``,
+``free_tokens``), so ``model(ids, cache=...)`` and ``generate`` use it unchanged. All sizes are in tokens (rows) unless a
 name says bytes.
 """
 from __future__ import annotations
@@ -164,6 +164,8 @@ class PagedKVCache:
     and copying a shared block before writing into it.
     """
 
+    kind = "paged"
+
     def __init__(self, pool: BlockPool):
         self.pool = pool
         self.table: list[int] = []                 # block ids, in token order
@@ -188,6 +190,25 @@ class PagedKVCache:
     @property
     def length(self) -> int:
         return self._len[-1]
+
+    @property
+    def n_layers(self) -> int:
+        return self.pool.n_layers
+
+    @property
+    def batch_size(self) -> int:
+        """1: a paged cache holds one sequence."""
+        return 1
+
+    @property
+    def free_tokens(self) -> int:
+        """Tokens it can still take: the rest of its last block, then the pool's free blocks (a shared last
+        block costs one of them: it is copied before the first write into it)."""
+        tail = self.reserved_rows - self.length
+        spare = self.pool.free_blocks * self.block_size
+        if tail and self.pool.refs[self.table[-1]] > 1:
+            spare -= self.block_size
+        return max(0, tail + spare)
 
     @property
     def block_size(self) -> int:
@@ -231,7 +252,7 @@ class PagedKVCache:
 
     def __iter__(self):
         """Per-layer (keys, values), each (1, Hkv, S, D)."""
-        return ((self.keys(i), self.values(i)) for i in range(self.pool.n_layers))
+        return ((self.keys(i), self.values(i)) for i in range(self.n_layers))
 
     def register_prompt(self, ids: list[int]) -> None:
         """Make this sequence's full blocks of ``ids`` (its prompt, already in the cache) findable."""
