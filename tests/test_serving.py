@@ -6,7 +6,7 @@ from toyllm import build_model
 from toyllm.cache import DynamicKVCache
 from toyllm.generation import generate
 from toyllm.paged import BlockPool, PagedKVCache
-from toyllm.serving import POLICIES, Request, poisson_workload, ragged_forward, serve
+from toyllm.serving import POLICIES, POLICY, Request, Scheduler, Waiting, poisson_workload, ragged_forward, serve
 from toyllm.utils import random_prompt
 
 pytestmark = pytest.mark.needs("8.1", "8.2", "8.3")     # the paged cache's steps and the scheduler's plan
@@ -70,6 +70,43 @@ def test_a_finished_sequence_leaves_at_once_and_a_waiting_one_joins(model):
     assert cont[2].first_token_s < cont[1].finish_s        # request 2 took request 0's seat while 1 still ran
     assert static[2].first_token_s > static[1].finish_s    # a static batch waits for its longest sequence
     assert static[0].finish_s == static[1].finish_s        # ... and leaves together
+
+
+def _scheduler(model, policy, requests):
+    pool = BlockPool.for_model(model.config, 4, 4)              # 4 blocks of 4 tokens
+    sched = Scheduler(pool, POLICY[policy], max_batch=3)
+    for r in requests:
+        sched.add(Waiting(r, r.arrival_s))
+    return sched
+
+
+@pytest.mark.timeout(60)
+def test_the_scheduler_seats_by_arrival_seats_and_blocks_and_retiring_gives_the_blocks_back(model):
+    reqs = [Request(3, (9,), 1, arrival_s=1e6),                # arrives long after the rest
+            Request(0, (1, 2, 3, 4, 5), 3), Request(1, (1, 2, 3), 1), Request(2, (6, 7, 8), 4)]   # 2, 1, 2 blocks
+    sched = _scheduler(model, "continuous", reqs)
+    sched.admit()
+    assert [s.request.id for s in sched.running] == [0, 1] and sched.reserved == 3     # 2 does not fit beside them
+    sched.step(model)                                           # both prompts whole: 1's one token, and it leaves
+    assert [r.id for r in sched.finished] == [1] and [s.request.id for s in sched.running] == [0]
+    assert sched.reserved == 2 and sched.pool.used_blocks == 2
+    sched.step(model)                                           # its blocks went back: 2 takes the seat
+    assert [s.request.id for s in sched.running] == [0, 2]
+    while sched.busy:
+        sched.step(model)
+    assert sorted(r.id for r in sched.finished) == [0, 1, 2, 3]
+    assert sched.reserved == 0 and sched.pool.used_blocks == 0
+    assert next(r for r in sched.finished if r.id == 3).first_token_s > 1e6    # the clock waited for it
+
+
+@pytest.mark.timeout(60)
+def test_a_static_batch_is_seated_and_retired_as_one(model):
+    sched = _scheduler(model, "static", [Request(0, (1, 2), 3), Request(1, (3, 4), 1), Request(2, (5,), 1)])
+    sched.step(model)
+    assert [s.request.id for s in sched.running] == [0, 1, 2] and sched.finished == []   # 1 and 2 wait for 0
+    while sched.running:
+        sched.step(model)
+    assert sorted(r.id for r in sched.finished) == [0, 1, 2] and len({r.finish_s for r in sched.finished}) == 1
 
 
 def test_a_shared_system_prompt_is_computed_once_and_changes_no_token(model):

@@ -65,9 +65,9 @@ from .generation import generate
 from .launch import RankContext, run_parallel
 from .measure import Verdict, compare, interleaved_runs, load_average, spread
 from .model import ModelConfig
-from .paged import BlockPool, PagedKVCache
 from .parallel.runner import ModelSpec, check_prefill_request, parallel_prefill, single_prefill
-from .serving import Request, RequestResult, ServeResult, ragged_forward
+from .serving import (POLICY, Request, RequestResult, Scheduler, ServeResult, Waiting, Worker, progress_bar,
+                      serving_pool)
 from .simulate import CostModel, simulate_prefill
 
 LAYOUTS = ("flat", "per_layer")
@@ -437,21 +437,9 @@ class DisaggServeResult(ServeResult):
     transfer_s: dict[int, float] = field(default_factory=dict)   # request id -> modelled seconds on the link
 
 
-@dataclass
-class _Handover:
-    request: Request
-    cache: DynamicKVCache                  # the prefill worker's copy of the prompt's K and V
-    first_token: int
-    first_token_s: float                   # prefill worker's clock: the user has the first token
-    ready_s: float                         # when the last byte is at the decode worker
-
-
-@dataclass
-class _Decoding:
-    request: Request
-    cache: PagedKVCache
-    output_ids: list[int]
-    first_token_s: float
+def _decodes_only(prompt_left: list[int], done: list[bool], token_budget: int | None) -> list[int]:
+    """The decode worker's plan: its sequences arrive prefilled, so each feeds its last token (none when done)."""
+    return [0 if d else 1 for d in done]
 
 
 def serve_disaggregated(model, requests: list[Request], link_model: CostModel, *, max_batch: int = 8,
@@ -463,11 +451,11 @@ def serve_disaggregated(model, requests: list[Request], link_model: CostModel, *
     first served); the first token of each exists at the iteration's end
     (TTFT). Its cache then crosses the link: ready ``link_model.transfer_s(
     transfer_bytes)`` seconds later (the model's own dtype sizes the bytes).
-    Decode worker: continuous batching of decodes only, up to ``max_batch``
-    sequences in a paged pool sized as ``serve`` sizes it; a ready cache is
-    copied into its blocks when a seat is free. Each worker's clock advances
-    by the measured seconds of its own forwards; the next step is always
-    the one of the worker whose clock is behind, so neither sees a
+    Decode worker: a ``Scheduler`` batching decodes only, continuously, up to
+    ``max_batch`` sequences in a paged pool sized as ``serve`` sizes it; a
+    ready cache is copied into its blocks when a seat is free. Each worker's
+    clock advances by the measured seconds of its own forwards; the next step
+    is always the one of the worker whose clock is behind, so neither sees a
     handover before it exists. The greedy tokens equal one request at a time.
     """
     if not isinstance(link_model, CostModel):
@@ -476,91 +464,36 @@ def serve_disaggregated(model, requests: list[Request], link_model: CostModel, *
     for name, value in (("max_batch", max_batch), ("block_size", block_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if not requests:
-        raise ValueError("no requests to serve")
-    if any(r.max_new_tokens < 1 or not r.prompt_ids for r in requests):
-        raise ValueError("every request needs a prompt and max_new_tokens >= 1")
-    cfg = model.config
-    longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
-    if longest > cfg.max_context:
-        raise ValueError(f"a request needs {longest} positions, over the model's max_context {cfg.max_context}")
-    dtype = model.lm_head.weight.dtype
-    per_seq = math.ceil(longest / block_size)
-    pool = BlockPool.for_model(cfg, max_batch * per_seq, block_size, dtype=dtype)
-
+    pool = serving_pool(model, requests, max_batch, block_size)
+    cfg, dtype = model.config, model.lm_head.weight.dtype
+    bar = progress_bar(len(requests), "serving (disaggregated)") if progress else None
+    iteration_tokens: list[int] = []                                 # both workers' forwards, in turn
+    prefill = Worker(iteration_tokens=iteration_tokens)
+    decode = Scheduler(pool, POLICY["continuous"], max_batch, plan=_decodes_only,
+                       worker=Worker(iteration_tokens=iteration_tokens), bar=bar)
     waiting = sorted(requests, key=lambda r: (r.arrival_s, r.id))   # not yet prefilled
-    shipped: list[_Handover] = []                                    # on the link or waiting for a seat
-    running: list[_Decoding] = []
-    finished: list[RequestResult] = []
     transfer: dict[int, float] = {}
-    p_clock = d_clock = p_compute = d_compute = 0.0
-    iteration_tokens: list[int] = []
-    bar = _progress(len(requests)) if progress else None
-
-    def done(r: Request, output_ids: list[int], first_s: float, finish_s: float) -> None:
-        finished.append(RequestResult(r.id, output_ids, r.arrival_s, first_s, finish_s, len(r.prompt_ids)))
-        if bar is not None:
-            bar.update(1)
-
-    while waiting or shipped or running:
-        # When each worker could next do something (inf: nothing until the other one acts).
-        p_next = max(p_clock, waiting[0].arrival_s) if waiting else math.inf
-        if running:
-            d_next = d_clock
-        elif shipped:
-            d_next = max(d_clock, min(h.ready_s for h in shipped))
-        else:
-            d_next = math.inf
-        if p_next < d_next:                                     # the prefill worker is behind: it goes
-            p_clock = p_next
-            batch = []
-            while waiting and waiting[0].arrival_s <= p_clock and len(batch) < max_batch:
-                batch.append(waiting.pop(0))
-            caches = [DynamicKVCache(cfg.n_layers) for _ in batch]
-            t0 = time.perf_counter()
-            logits = ragged_forward(model, [(c, list(r.prompt_ids)) for c, r in zip(caches, batch)])
-            spent = time.perf_counter() - t0
-            p_clock += spent
-            p_compute += spent
-            iteration_tokens.append(sum(len(r.prompt_ids) for r in batch))
-            for r, cache, row in zip(batch, caches, logits):
-                first = int(row.argmax())
-                if r.max_new_tokens == 1:                       # nothing left to decode: nothing to ship
-                    done(r, [first], p_clock, p_clock)
-                    continue
-                transfer[r.id] = link_model.transfer_s(transfer_bytes(cfg, len(r.prompt_ids), dtype.itemsize))
-                shipped.append(_Handover(r, cache, first, p_clock, p_clock + transfer[r.id]))
+    while waiting or decode.busy:
+        p_next = max(prefill.clock, waiting[0].arrival_s) if waiting else math.inf
+        if p_next >= decode.next_s:                             # the decode worker is behind: it goes
+            decode.step(model)
             continue
-        d_clock = d_next                                        # the decode worker goes
-        for h in sorted(shipped, key=lambda h: (h.ready_s, h.request.id)):
-            if h.ready_s > d_clock or len(running) >= max_batch:
+        prefill.clock = p_next
+        batch = []
+        while waiting and waiting[0].arrival_s <= prefill.clock and len(batch) < max_batch:
+            batch.append(waiting.pop(0))
+        caches = [DynamicKVCache(cfg.n_layers) for _ in batch]
+        logits = prefill.forward(model, [(c, list(r.prompt_ids)) for c, r in zip(caches, batch)])
+        for r, cache, row in zip(batch, caches, logits):
+            first, now = int(row.argmax()), prefill.clock
+            if r.max_new_tokens == 1:                           # nothing left to decode: nothing to ship
+                decode.report(RequestResult(r.id, [first], r.arrival_s, now, now, len(r.prompt_ids)))
                 continue
-            shipped.remove(h)
-            cache = PagedKVCache(pool)                          # the received bytes land in the decode pool
-            for i, (k, v) in enumerate(h.cache):
-                cache.update(i, k, v)
-            running.append(_Decoding(h.request, cache, [h.first_token], h.first_token_s))
-        t0 = time.perf_counter()
-        logits = ragged_forward(model, [(s.cache, [s.output_ids[-1]]) for s in running])
-        spent = time.perf_counter() - t0
-        d_clock += spent
-        d_compute += spent
-        iteration_tokens.append(len(running))
-        for s, row in zip(running, logits):
-            s.output_ids.append(int(row.argmax()))
-        for s in [s for s in running if len(s.output_ids) >= s.request.max_new_tokens]:
-            running.remove(s)
-            s.cache.release()
-            done(s.request, s.output_ids, s.first_token_s, d_clock)
+            transfer[r.id] = link_model.transfer_s(transfer_bytes(cfg, len(r.prompt_ids), dtype.itemsize))
+            decode.add(Waiting(r, now + transfer[r.id], prefilled=cache, first_token=first, first_token_s=now))
     if bar is not None:
         bar.close()
-    finished.sort(key=lambda r: r.id)
-    return DisaggServeResult("disaggregated", finished, max(r.finish_s for r in finished), p_compute + d_compute,
-                             iteration_tokens, prefill_compute_s=p_compute, decode_compute_s=d_compute,
-                             transfer_s=transfer)
-
-
-def _progress(total: int):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="request", desc="serving (disaggregated)")
+    finished = sorted(decode.finished, key=lambda r: r.id)
+    p, d = prefill.compute, decode.worker.compute
+    return DisaggServeResult("disaggregated", finished, max(r.finish_s for r in finished), p + d, iteration_tokens,
+                             prefill_compute_s=p, decode_compute_s=d, transfer_s=transfer)

@@ -23,6 +23,11 @@ tokens at once, which is what batching buys on a CPU as on a GPU, while
 attention runs per sequence over that sequence's own paged KV cache, as a
 variable-length attention kernel does. RoPE takes each token's own position.
 
+A ``Scheduler`` runs the iterations: it seats waiting requests, plans each
+iteration's tokens (``plan_iteration``), runs the forward and lets finished
+sequences go; the three policies are ``Policy`` data that it reads. The
+decode worker of ``toyllm.disagg`` is a ``Scheduler`` too.
+
 Time is a clock in seconds: each iteration advances it by the iteration's
 measured compute time, requests arrive on it (a seeded Poisson workload,
 ``poisson_workload``), and when nothing runs it jumps to the next arrival.
@@ -31,6 +36,7 @@ produced its first token; TPOT: the mean time between its later tokens.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import random
 import time
@@ -39,9 +45,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .answers import answer, exercise
+from .cache import KVCache, copy_into
 from .paged import BlockPool, PagedKVCache
-
-POLICIES = ("static", "continuous", "chunked")
 
 
 @dataclass(frozen=True)
@@ -125,7 +130,7 @@ def poisson_workload(n_requests: int, rate_per_s: float, vocab_size: int, *, pro
 
 
 @torch.no_grad()
-def ragged_forward(model, segments: list[tuple[PagedKVCache, list[int]]]) -> torch.Tensor:
+def ragged_forward(model, segments: list[tuple[KVCache, list[int]]]) -> torch.Tensor:
     """One forward over several sequences' new tokens; the float32 logits of each one's last token.
 
     segments: (the sequence's cache, its new token ids); each cache gets its
@@ -147,6 +152,38 @@ def ragged_forward(model, segments: list[tuple[PagedKVCache, list[int]]]) -> tor
                                     model.positions(0, s + n), model.attention))          # (1, n, d_model)
         x = layer.finish(x, torch.cat(out, dim=1))                # (1, N, d_model)
     return model.head(x[:, [e - 1 for e in ends]])[0]            # (len(segments), vocab)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How a scheduler batches its requests (see the module docstring)."""
+
+    name: str
+    joins_running: bool       # a waiting request may join sequences already running (else: only an empty batch)
+    chunks_prompts: bool      # an iteration carries at most ``token_budget`` tokens (else: whole prompts)
+    leaves_together: bool     # a batch's sequences leave when the last one is done (else: each when it is)
+
+
+POLICY = {p.name: p for p in (Policy("static", joins_running=False, chunks_prompts=False, leaves_together=True),
+                              Policy("continuous", joins_running=True, chunks_prompts=False, leaves_together=False),
+                              Policy("chunked", joins_running=True, chunks_prompts=True, leaves_together=False))}
+POLICIES = tuple(POLICY)
+
+
+@dataclass
+class Waiting:
+    """A request waiting for a seat. ready_s: when it may take one (its arrival, or when its cache is in).
+
+    A request prefilled elsewhere (``toyllm.disagg``) brings its prompt's
+    cache, copied into the scheduler's pool when it is seated, and the
+    first token it gave at ``first_token_s``.
+    """
+
+    request: Request
+    ready_s: float
+    prefilled: KVCache | None = None
+    first_token: int | None = None
+    first_token_s: float = math.nan
 
 
 @dataclass
@@ -181,13 +218,166 @@ def check_settings(policy: str, max_batch: int, token_budget: int, block_size: i
     for name, value in (("max_batch", max_batch), ("token_budget", token_budget), ("block_size", block_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if policy == "chunked" and token_budget < max_batch + 1:
+    if POLICY[policy].chunks_prompts and token_budget < max_batch + 1:
         raise ValueError(f"token_budget {token_budget} leaves no room for a prompt chunk beside {max_batch} "
                          f"decodes: give at least max_batch + 1 = {max_batch + 1}")
 
 
-def _blocks_for(request: Request, block_size: int) -> int:
-    return math.ceil((len(request.prompt_ids) + request.max_new_tokens) / block_size)
+def serving_pool(model, requests: list[Request], max_batch: int, block_size: int) -> BlockPool:
+    """A paged pool for ``requests``, checked first: room for ``max_batch`` of the longest one (in whole blocks
+    of ``block_size`` tokens), in the model's dtype. A ValueError when a request cannot be served."""
+    if not requests:
+        raise ValueError("no requests to serve")
+    if any(r.max_new_tokens < 1 or not r.prompt_ids for r in requests):
+        raise ValueError("every request needs a prompt and max_new_tokens >= 1")
+    cfg = model.config
+    longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+    if longest > cfg.max_context:
+        raise ValueError(f"a request needs {longest} positions, over the model's max_context {cfg.max_context}")
+    return BlockPool.for_model(cfg, max_batch * math.ceil(longest / block_size), block_size,
+                               dtype=model.lm_head.weight.dtype)
+
+
+@dataclass
+class Worker:
+    """One machine's clock, in seconds: it advances by the measured time of each forward the machine runs."""
+
+    clock: float = 0.0
+    compute: float = 0.0                     # seconds in forwards (the clock without its idle waits)
+    iteration_tokens: list[int] = field(default_factory=list)    # tokens in each forward
+
+    def forward(self, model, segments: list[tuple[KVCache, list[int]]]) -> torch.Tensor:
+        """``ragged_forward`` over ``segments``, timed onto this clock; the logits (len(segments), vocab)."""
+        t0 = time.perf_counter()
+        logits = ragged_forward(model, segments)
+        spent = time.perf_counter() - t0
+        self.clock += spent
+        self.compute += spent
+        self.iteration_tokens.append(sum(len(ids) for _, ids in segments))
+        return logits
+
+
+class Scheduler:
+    """Iteration-level scheduling of requests over one paged pool, under a ``Policy``.
+
+    ``add`` queues a request; each ``step`` seats the waiting requests that
+    are ready (``admit``), asks ``plan`` for each running sequence's tokens,
+    runs them as one timed forward on ``worker`` (``segments``), appends the
+    new tokens (``record``) and lets finished sequences go (``retire``). A
+    request is seated only when a seat is free and the blocks it can reach
+    (prompt and answer, in whole blocks) are not promised to another, so a
+    running sequence never finds the pool full. Finished requests are in
+    ``finished``, in the order they finished.
+    """
+
+    def __init__(self, pool: BlockPool, policy: Policy, max_batch: int, token_budget: int | None = None, *,
+                 plan=None, share_prefixes: bool = False, worker: Worker | None = None, bar=None):
+        self.pool, self.policy, self.max_batch = pool, policy, max_batch
+        self.token_budget = token_budget if policy.chunks_prompts else None       # None: whole prompts
+        self.plan_fn = plan_iteration if plan is None else plan
+        self.share_prefixes, self.bar = share_prefixes, bar
+        self.worker = Worker() if worker is None else worker
+        self.waiting: list[Waiting] = []          # by ready_s, then request id
+        self.running: list[_Sequence] = []
+        self.finished: list[RequestResult] = []
+        self.reserved = 0                         # blocks promised to running sequences
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def next_s(self) -> float:
+        """When it can next run a forward: now while a sequence runs, else when the first waiting one is ready
+        (``math.inf``: nothing is queued)."""
+        if self.running:
+            return self.worker.clock
+        return max(self.worker.clock, self.waiting[0].ready_s) if self.waiting else math.inf
+
+    def add(self, waiting: Waiting) -> None:
+        bisect.insort(self.waiting, waiting, key=lambda w: (w.ready_s, w.request.id))
+
+    def _blocks_for(self, request: Request) -> int:
+        return math.ceil((len(request.prompt_ids) + request.max_new_tokens) / self.pool.block_size)
+
+    def admit(self) -> None:
+        """Seat the waiting requests that are ready, first come first served, while seats and blocks last."""
+        if self.running and not self.policy.joins_running:
+            return
+        while self.waiting and self.waiting[0].ready_s <= self.worker.clock and len(self.running) < self.max_batch:
+            need = self._blocks_for(self.waiting[0].request)
+            if self.reserved + need > self.pool.n_blocks:
+                break
+            w = self.waiting.pop(0)
+            prompt = list(w.request.prompt_ids)
+            if w.prefilled is not None:
+                cache = copy_into(w.prefilled, PagedKVCache(self.pool))
+            else:
+                cache = PagedKVCache.for_prompt(self.pool, prompt) if self.share_prefixes else PagedKVCache(self.pool)
+            self.reserved += need
+            self.running.append(_Sequence(w.request, cache, fed=cache.length,
+                                          computed=cache.length if w.prefilled is not None else 0,
+                                          output_ids=[] if w.first_token is None else [w.first_token],
+                                          first_token_s=w.first_token_s))
+
+    def plan(self) -> list[int]:
+        """Tokens each running sequence feeds in this iteration (the plan function's answer)."""
+        return self.plan_fn([len(seq.request.prompt_ids) - seq.fed for seq in self.running],
+                            [seq.done for seq in self.running], self.token_budget)
+
+    def segments(self, counts: list[int]) -> list[tuple[_Sequence, list[int]]]:
+        """The new token ids of each sequence that feeds any: its prompt's next ``n`` tokens, or its last token."""
+        out = []
+        for seq, n in zip(self.running, counts):
+            if n and seq.prefilling:                       # a prompt: whole, or the chunk the budget leaves
+                out.append((seq, list(seq.request.prompt_ids[seq.fed:seq.fed + n])))
+            elif n:                                        # a decode: the token it produced last
+                out.append((seq, [seq.output_ids[-1]]))
+        return out
+
+    def record(self, segments: list[tuple[_Sequence, list[int]]], logits: torch.Tensor) -> None:
+        """Advance each sequence by the tokens it fed; one that reached its prompt's end gets a new token."""
+        for (seq, ids), row in zip(segments, logits):
+            if seq.prefilling:
+                seq.fed += len(ids)
+                seq.computed += len(ids)
+                if seq.prefilling:
+                    continue                               # a chunk that did not reach the prompt's end
+                if self.share_prefixes:
+                    seq.cache.register_prompt(list(seq.request.prompt_ids))
+                seq.first_token_s = self.worker.clock
+            seq.output_ids.append(int(row.argmax()))
+
+    def retire(self) -> None:
+        """Let the finished sequences go, their blocks back to the pool (a whole batch at once if it leaves
+        together)."""
+        done = [seq for seq in self.running if seq.done]
+        if self.policy.leaves_together and len(done) < len(self.running):
+            return
+        for seq in done:
+            self.running.remove(seq)
+            seq.cache.release()
+            self.reserved -= self._blocks_for(seq.request)
+            r = seq.request
+            self.report(RequestResult(r.id, seq.output_ids, r.arrival_s, seq.first_token_s, self.worker.clock,
+                                      seq.computed))
+
+    def report(self, result: RequestResult) -> None:
+        """Count a finished request (also one finished elsewhere, as a one-token answer of a prefill worker)."""
+        self.finished.append(result)
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def step(self, model) -> None:
+        """One iteration: seat who is ready, then one forward; with nothing to run, wait for the next arrival."""
+        self.admit()
+        if not self.running:
+            self.worker.clock = self.next_s                 # nothing to do until the next request is ready
+            return
+        segments = self.segments(self.plan())
+        logits = self.worker.forward(model, [(seq.cache, ids) for seq, ids in segments])
+        self.record(segments, logits)
+        self.retire()
 
 
 def serve(model, requests: list[Request], policy: str = "chunked", *, max_batch: int = 8, token_budget: int = 64,
@@ -204,87 +394,22 @@ def serve(model, requests: list[Request], policy: str = "chunked", *, max_batch:
     Exercise 8.3; the grader passes a submitted one).
     """
     check_settings(policy, max_batch, token_budget, block_size)
-    plan = plan_iteration if plan is None else plan
-    if not requests:
-        raise ValueError("no requests to serve")
-    longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
-    if longest > model.config.max_context:
-        raise ValueError(f"a request needs {longest} positions, over the model's max_context "
-                         f"{model.config.max_context}")
-    if any(r.max_new_tokens < 1 or not r.prompt_ids for r in requests):
-        raise ValueError("every request needs a prompt and max_new_tokens >= 1")
-    cfg = model.config
-    pool = BlockPool.for_model(cfg, max_batch * math.ceil(longest / block_size), block_size,
-                               dtype=model.lm_head.weight.dtype)
-    waiting = sorted(requests, key=lambda r: (r.arrival_s, r.id))
-    running: list[_Sequence] = []
-    finished: list[RequestResult] = []
-    reserved = 0                                      # blocks promised to running sequences
-    clock = compute = 0.0
-    iteration_tokens: list[int] = []
-    bar = _progress(len(requests)) if progress else None
-
-    def admit(limit: int) -> None:
-        nonlocal reserved
-        while waiting and waiting[0].arrival_s <= clock and len(running) < limit:
-            need = _blocks_for(waiting[0], block_size)
-            if reserved + need > pool.n_blocks:
-                break
-            r = waiting.pop(0)
-            cache = PagedKVCache.for_prompt(pool, list(r.prompt_ids)) if share_prefixes else PagedKVCache(pool)
-            reserved += need
-            running.append(_Sequence(r, cache, fed=cache.length))
-
-    while waiting or running:
-        if policy == "static":
-            if not running:
-                admit(max_batch)
-        else:
-            admit(max_batch)
-        if not running:
-            clock = max(clock, waiting[0].arrival_s)       # nothing to do until the next request arrives
-            continue
-        counts = plan([len(seq.request.prompt_ids) - seq.fed for seq in running], [seq.done for seq in running],
-                      token_budget if policy == "chunked" else None)
-        segments = []
-        for seq, n in zip(running, counts):
-            if n and seq.prefilling:                       # a prompt: whole, or the chunk the budget leaves
-                segments.append((seq, list(seq.request.prompt_ids[seq.fed:seq.fed + n])))
-            elif n:                                        # a decode: the token it produced last
-                segments.append((seq, [seq.output_ids[-1]]))
-        t0 = time.perf_counter()
-        logits = ragged_forward(model, [(seq.cache, ids) for seq, ids in segments])
-        spent = time.perf_counter() - t0
-        clock += spent
-        compute += spent
-        iteration_tokens.append(sum(len(ids) for _, ids in segments))
-        for (seq, ids), row in zip(segments, logits):
-            if seq.prefilling:
-                seq.fed += len(ids)
-                seq.computed += len(ids)
-                if seq.prefilling:
-                    continue                               # a chunk that did not reach the prompt's end
-                if share_prefixes:
-                    seq.cache.register_prompt(list(seq.request.prompt_ids))
-                seq.first_token_s = clock
-            seq.output_ids.append(int(row.argmax()))
-        for seq in [s for s in running if s.done]:
-            if policy == "static" and not all(s.done for s in running):
-                break                                      # a static batch leaves together
-            running.remove(seq)
-            seq.cache.release()
-            reserved -= _blocks_for(seq.request, block_size)
-            r = seq.request
-            finished.append(RequestResult(r.id, seq.output_ids, r.arrival_s, seq.first_token_s, clock, seq.computed))
-            if bar is not None:
-                bar.update(1)
+    pool = serving_pool(model, requests, max_batch, block_size)
+    bar = progress_bar(len(requests), "serving") if progress else None
+    scheduler = Scheduler(pool, POLICY[policy], max_batch, token_budget, plan=plan, share_prefixes=share_prefixes,
+                          bar=bar)
+    for r in requests:
+        scheduler.add(Waiting(r, r.arrival_s))
+    while scheduler.busy:
+        scheduler.step(model)
     if bar is not None:
         bar.close()
-    finished.sort(key=lambda r: r.id)
-    return ServeResult(policy, finished, clock, compute, iteration_tokens)
+    w = scheduler.worker
+    return ServeResult(policy, sorted(scheduler.finished, key=lambda r: r.id), w.clock, w.compute, w.iteration_tokens)
 
 
-def _progress(total: int):
+def progress_bar(total: int, desc: str):
+    """A progress bar of ``total`` requests."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, unit="request", desc="serving")
+    return tqdm(total=total, unit="request", desc=desc)
