@@ -268,6 +268,11 @@ class Scheduler:
     (prompt and answer, in whole blocks) are not promised to another, so a
     running sequence never finds the pool full. Finished requests are in
     ``finished``, in the order they finished.
+
+    token_budget: tokens per iteration (read only by a policy that chunks
+    prompts). plan: what plans an iteration's tokens, as ``plan_iteration``
+    (the default). worker: the clock it runs on (a new one by default).
+    bar: a progress bar, ticked once per finished request.
     """
 
     def __init__(self, pool: BlockPool, policy: Policy, max_batch: int, token_budget: int | None = None, *,
@@ -309,11 +314,12 @@ class Scheduler:
             if self.reserved + need > self.pool.n_blocks:
                 break
             w = self.waiting.pop(0)
-            prompt = list(w.request.prompt_ids)
-            if w.prefilled is not None:
+            if w.prefilled is not None:                    # its prompt's K and V, computed elsewhere
                 cache = copy_into(w.prefilled, PagedKVCache(self.pool))
+            elif self.share_prefixes:                      # whole blocks of an earlier prompt it begins with
+                cache = PagedKVCache.for_prompt(self.pool, list(w.request.prompt_ids))
             else:
-                cache = PagedKVCache.for_prompt(self.pool, prompt) if self.share_prefixes else PagedKVCache(self.pool)
+                cache = PagedKVCache(self.pool)
             self.reserved += need
             self.running.append(_Sequence(w.request, cache, fed=cache.length,
                                           computed=cache.length if w.prefilled is not None else 0,
