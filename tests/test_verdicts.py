@@ -213,6 +213,17 @@ def test_a_sentence_whose_words_its_numbers_do_not_support_is_caught():
     assert verdict_problems(one.split(": ")[0] + ": KVR is 1.25x faster (1 rounds, p = 1)")
 
 
+def test_the_short_words_tables_and_summaries_print_are_read_too():
+    """Verdict.than ("as fast (...) as", "not comparable (...) with") carries its p or its runs: both are checked."""
+    from verdict_text import verdict_problems
+
+    tie, undecided = compare([0.48, 0.50, 0.55, 0.51, 0.49], BASE), compare([0.40, 0.41, 0.43], [0.49, 0.50, 0.52])
+    assert (tie.word, undecided.word) == ("tie", "undecided")
+    assert verdict_problems(f"KVR {tie.than} TSP\nchunked's TTFT p99 was {undecided.than} continuous's") == []
+    assert verdict_problems("KVR as fast (1.22x, inside the noise of the runs, p = 0.0079) as TSP")
+    assert verdict_problems("KVR not comparable (1.22x from 5 rounds; a verdict needs 5) with TSP")
+
+
 @pytest.mark.slow
 @pytest.mark.needs("8.1", "8.2", "8.3", "8.4")
 @pytest.mark.timeout(400)

@@ -12,6 +12,12 @@ numbers, the way a reader would (the rule is ``toyllm.measure.compare``'s):
   and only with enough runs for a verdict to have been possible;
 - "undecided" only where the printed numbers of runs are too few for any
   outcome to reach p = 0.01 (fewer than 5 a side; a single run always).
+
+The shorter words of ``Verdict.than``, which tables and summaries print
+without the runs ("as fast (1.05x, inside the noise of the runs, p = 0.84)
+as", "not comparable (2.07x from 3 rounds; a verdict needs 5) with"), carry
+their evidence too, and are read the same way: a tie only with p above 0.01
+or a ratio within 1 percent, "not comparable" only from too few runs.
 """
 from __future__ import annotations
 
@@ -37,6 +43,11 @@ SENTENCE = re.compile(SPREAD.format(p="a") + r" vs [^\n]*?" + SPREAD.format(p="b
                       r": (?P<rest>[^\n]*)")
 # "(5 rounds, p = 0.0079)", "(4 and 7 runs, p = 0.012)", "(4 rounds; a verdict needs 5)"
 ROUNDS = re.compile(r"(?P<n>\d+)(?: and (?P<m>\d+))? (?:rounds|runs)(?:, p = (?P<p>[0-9.e-]+)|; a verdict needs)")
+# "as fast (1.05x, inside the noise of the runs, p = 0.84) as" and "not comparable (2.07x from 3 rounds; a verdict
+# needs 5) with" (or "from 3 and 7 runs"): Verdict.than for a tie and for undecided
+AS_FAST = re.compile(r"as fast \((?P<ratio>[0-9.]+)x, inside the noise of the runs, p = (?P<p>[0-9.e-]+)\) as")
+NOT_COMPARABLE = re.compile(r"not comparable \([0-9.]+x from (?P<n>\d+)(?: and (?P<m>\d+))? (?:rounds|runs); "
+                            r"a verdict needs \d+\) with")
 ALPHA = 0.01
 
 
@@ -86,6 +97,13 @@ def verdict_problems(text: str, min_effect: float = 0.01) -> list[str]:
                 continue
         if not ok:
             problems.append(f"the printed runs do not support the verdict: {line!r}")
+    for m in AS_FAST.finditer(text):
+        # a tie with p <= 0.01 needs medians within 1 percent; the ratio prints with 2 decimals
+        if float(m["p"]) <= ALPHA and abs(float(m["ratio"]) - 1) > min_effect + 0.005:
+            problems.append(f"a tie whose own p and ratio say the rank test and the effect both decided: {m[0]!r}")
+    for m in NOT_COMPARABLE.finditer(text):
+        if _min_p(int(m["n"]), int(m["m"] or m["n"])) <= ALPHA:
+            problems.append(f"'not comparable' from enough runs for a verdict: {m[0]!r}")
     return problems
 
 
