@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from toyllm import DynamicKVCache, GenerationResult, StaticKVCache, build_model, generate, get_config
-from toyllm.bench_decode import BLOG_TOY
+from toyllm.bench.decode import BLOG_TOY
 from toyllm.generation import sample_next_tokens
 from toyllm.utils import random_prompt
 

@@ -12,7 +12,7 @@ def _five(runs):
 
 def _prefill(tsp, kvr_best, single_2t, sdpa_single, sdpa_kvr, single_1t=8.0):
     """Prefill data as bench_prefill returns it, each configuration's runs spread +-1% around the given median."""
-    from toyllm.bench import _prefill_row
+    from toyllm.bench.prefill import _prefill_row
     from toyllm.measure import ONE_THREAD, TWO_THREADS, MachineState, PrefillComparison, spread
     from toyllm.model import get_config
 
@@ -87,7 +87,7 @@ def test_table_section_says_whether_kvr_p_is_within_two_percent_of_kvr_s():
 
 
 def test_every_section_has_a_template():
-    from toyllm.bench import _template
+    from toyllm.bench.report import _template
 
     for name in SECTIONS:
         assert hasattr(_template().module, name), name
@@ -99,7 +99,7 @@ def test_missing_numbers_are_an_error_not_a_blank():
 
 
 def test_a_table_cell_says_what_measure_decided():
-    from toyllm.bench import _short
+    from toyllm.bench.report import _short
     from toyllm.measure import compare
 
     close = compare(_five([1.419, 1.420, 1.421]), _five([1.426, 1.427, 1.428]))      # apart, but within 1%
@@ -379,7 +379,7 @@ def test_naive_and_cached_timing_takes_cache_kinds_and_cache_factories():
 
 
 def test_window_products_times_each_layout_in_turns():
-    from toyllm.bench_decode import window_products
+    from toyllm.bench.decode import window_products
 
     out = window_products(batch=4, keys=10, gaps=(0, 3, 20), head_dim=8, rounds=2)
     assert out["gaps"] == [0, 3, 20] and [len(r.runs) for r in out["runs"]] == [2, 2, 2]

@@ -1,7 +1,7 @@
 """The decode step seen by the profiler, and the torch.compile trial's clean fallback (tiny model, no timing asserted)."""
 import torch
 
-from toyllm.bench_decode import compile_trial, profile_decode_step
+from toyllm.bench.decode import compile_trial, profile_decode_step
 from toyllm.cache import make_cache
 from toyllm.model import build_model
 

@@ -161,7 +161,7 @@ def test_cli_generate_takes_weights(capsys):
 
 
 def test_decode_bytes_per_token_counts_weights_embedding_row_and_kv():
-    from toyllm.bench_decode import decode_bytes_per_token
+    from toyllm.bench.decode import decode_bytes_per_token
 
     model, _ = load_model("tiny", weights="bf16")
     cfg = model.config
@@ -172,7 +172,7 @@ def test_decode_bytes_per_token_counts_weights_embedding_row_and_kv():
 
 def test_the_weights_and_batched_sections_render_their_verdicts_from_the_numbers():
     from toyllm.bench import add_floor_figures, render_section
-    from toyllm.bench_decode import BLOG_TOY
+    from toyllm.bench.decode import BLOG_TOY
     from test_bench_report import _five
     from toyllm.measure import compare, spread
 

@@ -19,7 +19,7 @@ QUESTION = "What is the capital of France?"
 
 def demo_decode_speed(formats=("fp32", "fp16", "bf16", "int8"), out=None) -> dict:
     """The decode-speed lines: SmolLM2 tokens/s in each format, and the fastest that still answers Paris."""
-    from .bench_decode import smollm2_formats
+    from .bench.decode import smollm2_formats
 
     out = out or sys.stdout
     data = smollm2_formats(formats, new_tokens=16, rounds=3)
@@ -72,7 +72,7 @@ def run_demo(weights: str = "fp32") -> int:
         print(f"SmolLM2, 32-token prompt, 32 new tokens, 5 rounds in turns: {row['verdict'].sentence('cached', 'naive')}"
               f"; identical tokens: {row['identical']}")
 
-    ensure_resident_heap(["demo", "--weights", weights])   # steadier timings (see toyllm/bench.py)
+    ensure_resident_heap(["demo", "--weights", weights])   # steadier timings (see toyllm/bench/__init__.py)
     # The exercises each timed section runs (the student edition runs the student's code for them): the
     # decode-speed lines count each format's bytes per token with the KV-cache size, the parallel prefill
     # runs TSP and KV-Runahead. All are checked here, before anything is timed.
