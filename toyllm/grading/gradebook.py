@@ -40,8 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from ..measure import usable_cores
-from .course import course_root, exercises_dir
+from ..supervise import die_with_parent
+from .course import course_root, exercises_dir, grading_tests_dir
 from .report import exercise_key, format_points, printable
+from .selection import lesson_files, select
 from .submission import MAX_FILE_BYTES, MAX_TOTAL_BYTES, read_submission
 
 GRADED, NO_FILES, CRASHED, TIMED_OUT = "graded", "no files", "crashed", "timed out"
@@ -223,19 +225,16 @@ def prepare(submission: Path, into: Path) -> tuple[int, list[str]]:
     """
     wanted = course_file_names()
     notes: list[str] = []
-    if submission.is_dir():
-        source = submission
-        listing = _listing(submission)
-        chosen, ignored = _choose(listing, wanted)
-        refused: list[str] = []
-        if chosen is not None:
-            source = submission / chosen
-        where = "" if chosen is None else str(chosen)
-    else:
-        source = into.parent / (into.name + ".unzipped")
-        source.mkdir(mode=0o700)
-        where, ignored, refused = _unzip(submission, source, wanted)
-    texts, problems = read_submission(source)
+    with tempfile.TemporaryDirectory(prefix="toyllm-unzipped-") as unzipped:
+        if submission.is_dir():
+            chosen, ignored = _choose(_listing(submission), wanted)
+            refused: list[str] = []
+            source = submission if chosen is None else submission / chosen
+            where = "" if chosen is None else str(chosen)
+        else:
+            source = Path(unzipped)
+            where, ignored, refused = _unzip(submission, source, wanted)
+        texts, problems = read_submission(source)
     texts = {name: text for name, text in texts.items() if name in wanted}
     problems = [p for p in problems if any(p.startswith(repr(n)) for n in wanted)]
     for name, text in texts.items():
@@ -332,8 +331,10 @@ def grade_one(sub: Submission, work: Path, results: Path, options: Options, stop
         return Row(sub.name, NO_FILES, notes="; ".join(["no exercise file of the course found", *notes]))
     log = work / "output.txt"
     with open(log, "wb") as out:
+        # Its own session: Ctrl-C reaches it through _stop only; it gets SIGTERM if the class grader is killed.
         proc = subprocess.Popen(_command(staged, results, options), cwd=course_root(), stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=lambda: die_with_parent(signal.SIGTERM))
     deadline = time.monotonic() + options.student_timeout_s
     try:
         while proc.poll() is None:
@@ -416,7 +417,7 @@ def default_jobs() -> tuple[int, str]:
 
 
 def grade_class(submissions: Path, gradebook: Path, results_dir: Path, options: Options, jobs: int,
-                regrade: bool = False, log=sys.stdout) -> dict[str, Row]:
+                regrade: bool = False, log=None) -> dict[str, Row]:
     """Grade every student of ``submissions`` not yet graded in ``gradebook``, ``jobs`` at a time.
 
     The gradebook is rewritten after each student. Ctrl-C (KeyboardInterrupt, or a stop signal that
@@ -424,6 +425,7 @@ def grade_class(submissions: Path, gradebook: Path, results_dir: Path, options: 
     """
     from tqdm import tqdm
 
+    log = log or sys.stdout                      # looked up now: a caller may have redirected it
     students, skipped = find_submissions(submissions)
     for line in skipped:
         print(f"skipped {line}", file=log)
@@ -498,6 +500,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"--jobs {jobs} by default: {why}")
     only = [part for chunk in args.only for part in chunk.split(",") if part.strip()] if args.only else None
+    try:                                  # a bad --only is one line now, not a crashed row per student
+        select(only, lesson_files(grading_tests_dir()), Path(args.extra_tests).resolve() if args.extra_tests else None)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     options = Options(only=only, extra_tests=str(Path(args.extra_tests).resolve()) if args.extra_tests else None,
                       timeout_s=args.timeout, memory_mb=args.memory_mb, student_timeout_s=args.student_timeout)
     rows = grade_class(submissions, gradebook, results_dir, options, jobs, regrade=args.regrade)
