@@ -191,6 +191,12 @@ class Verdict:
         return f"not comparable ({self.ratio:.2f}x from {self._undecided}) with"
 
     @property
+    def short(self) -> str:
+        """The verdict as a table cell: "1.32x faster", "1.25x slower", "tie (1.02x)", "undecided (1.30x)"
+        (``than`` without the baseline's name where one side won; the word and the ratio otherwise)."""
+        return self.than.removesuffix(" than") if self.decided else f"{self.word} ({self.ratio:.2f}x)"
+
+    @property
     def _digits(self) -> int:
         """Extra decimals a sentence needs so that a reader sees the medians of a "faster" or "slower"
         apart on the side the verdict says (1.8 ms vs 1.8 ms would hide a decided difference)."""

@@ -283,10 +283,8 @@ def compile_trial(model, prompt_len: int = 38, steps: int = 16, rounds: int = 3)
                 continue
             result[way] = {"ok": True, "compile_s": time.perf_counter() - t0}
             ways.append(way)
-        times = {way: [] for way in ways}
-        for _ in range(rounds):                                 # a way that compiled must also run: no except here
-            for way in ways:
-                times[way].append(step_s(way))
+        # in turns, round by round; a way that compiled must also run: no except here
+        times = interleaved_runs({way: (lambda way=way: step_s(way)) for way in ways}, rounds, warmup=0)
     finally:
         use_parts(False)
         torch._dynamo.reset()

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
@@ -93,7 +92,7 @@ def bench_generation(quick: bool = False) -> dict:
 def bench_first_token(quick: bool = False) -> dict:
     """SmolLM2 prefill with the whole T x vocab logits matrix vs the last position only (seconds)."""
     from ..analysis import prefill_flops
-    from ..measure import compare
+    from ..measure import compare, interleaved_runs
     from ..weights import load_model
 
     model, tok = load_model("smollm2-135m")
@@ -103,14 +102,9 @@ def bench_first_token(quick: bool = False) -> dict:
     rows = []
     for name, ids in prompts:
         x = torch.tensor([ids])
-        times = {True: [], False: []}
-        with torch.no_grad():
-            for r in range(repeats + 1):            # alternate, so drift hits both ways alike; round 0 warms up
-                for last_only in (False, True):
-                    t0 = time.perf_counter()
-                    model(x, last_only=last_only)
-                    if r:
-                        times[last_only].append(time.perf_counter() - t0)
+        with torch.no_grad():                       # in turns, so drift hits both ways alike; a warm-up round first
+            times = interleaved_runs({last_only: (lambda last_only=last_only: model(x, last_only=last_only))
+                                      for last_only in (False, True)}, repeats, warmup=1)
         cfg = model.config
         head = 2 * len(ids) * cfg.vocab_size * cfg.d_model
         rows.append({"name": name, "tokens": len(ids), "all_s": statistics.median(times[False]),

@@ -16,9 +16,8 @@ def _runs(s) -> str:
 
 
 def _short(v) -> str:
-    """A Verdict as a table cell: "1.32x faster", "1.25x slower", "tie (1.02x)", "undecided (1.30x)"
-    (``Verdict.than`` without the baseline's name)."""
-    return v.than.removesuffix(" than") if v.decided else f"{v.word} ({v.ratio:.2f}x)"
+    """The ``short`` filter: a measure.Verdict as a table cell, in measure's words (``Verdict.short``)."""
+    return v.short
 
 
 def _verdict(value: float, target: float) -> str:
