@@ -14,6 +14,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -23,8 +24,8 @@ import pytest
 
 from test_grader import ROOT, make_submission
 from toyllm.grading import autograder
-from toyllm.grading.gradebook import (GRADED, NO_FILES, Row, _Refused, default_jobs, find_submissions, prepare,
-                                      read_gradebook, write_gradebook)
+from toyllm.grading.gradebook import (CRASHED, GRADED, NO_FILES, TIMED_OUT, Options, Row, _Refused, default_jobs,
+                                      find_submissions, grade_one, prepare, read_gradebook, write_gradebook)
 
 ANSWER_01 = (ROOT / "solutions" / "ex01_naive_generation.py").read_text()
 ANSWER_03 = (ROOT / "solutions" / "ex03_rooflines.py").read_text()
@@ -99,6 +100,22 @@ def test_a_zip_that_is_not_one_is_refused_with_the_reason(tmp_path):
 
 
 @pytest.mark.timeout(30)
+def test_a_folder_holding_only_a_zip_is_read_as_that_zip_but_never_through_a_link(tmp_path):
+    upload = tmp_path / "upload"                     # what Gradescope keeps of an uploaded zip
+    upload.mkdir()
+    _zip(upload / "mine.zip", {"exercises/ex01_naive_generation.py": ANSWER_01.encode()})
+    into = tmp_path / "files"
+    into.mkdir()
+    assert prepare(upload, into) == (1, ["graded the files in exercises/"])
+    answers = _zip(tmp_path / "answers.zip", {"ex01_naive_generation.py": ANSWER_01.encode()})
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "mine.zip").symlink_to(answers)      # the grader's own zip of the model answers
+    with pytest.raises(_Refused, match="'mine.zip' could not be opened .*a link is not followed"):
+        prepare(linked, tmp_path / "files")
+
+
+@pytest.mark.timeout(30)
 def test_the_class_folder_holds_one_folder_or_zip_per_student(tmp_path):
     for name in ("ann", "bob", ".git"):
         (tmp_path / name).mkdir()
@@ -145,6 +162,25 @@ def test_the_gradebook_has_a_column_per_exercise_and_resumes_only_from_graded_ro
 def test_the_default_jobs_follow_the_cores_and_the_memory():
     jobs, why = default_jobs()
     assert 1 <= jobs <= os.cpu_count() and "core(s)" in why and "GiB of memory available" in why
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_grading_that_stops_or_runs_too_long_gets_a_row_that_says_so(tmp_path):
+    student = tmp_path / "ann"
+    student.mkdir()
+    (student / "ex03_rooflines.py").write_text(ANSWER_03)
+    sub = find_submissions(tmp_path)[0][0]
+    options = Options(only=None, extra_tests=str(tmp_path / "gone"), timeout_s=20, memory_mb=8192,
+                      student_timeout_s=600)
+    (tmp_path / "w1").mkdir()
+    crashed = grade_one(sub, tmp_path / "w1", tmp_path / "ann.json", options, threading.Event())
+    assert crashed.status == CRASHED and "exit code 2" in crashed.notes and "does not exist" in crashed.notes, crashed
+    options.extra_tests, options.student_timeout_s = None, 1
+    (tmp_path / "w2").mkdir()
+    slow = grade_one(sub, tmp_path / "w2", tmp_path / "ann.json", options, threading.Event())
+    assert slow.status == TIMED_OUT and "more than 1 s (--student-timeout)" in slow.notes, slow
+    assert not (tmp_path / "ann.json").exists()
 
 
 # --------------------------------------------------------------------------- the Gradescope zip

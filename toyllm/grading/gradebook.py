@@ -183,10 +183,24 @@ def _unzip(path: Path, into: Path, wanted: set[str]) -> tuple[str, list[PurePosi
     through zipfile at most ``MAX_FILE_BYTES`` (+1, to tell a larger one) and written under its own
     base name only, so no member path ever names where a file is written.
     """
-    if path.stat().st_size > MAX_ZIP_BYTES:
-        raise _Refused(f"the zip is larger than {MAX_ZIP_BYTES // 2**20} MiB")
     try:
-        with zipfile.ZipFile(path) as archive:
+        # O_NOFOLLOW: a link named like a zip could point at any zip of the grader's (the model answers, zipped).
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        raise _Refused(f"{printable(path.name)!r} could not be opened ({e.strerror}; a link is not followed)") from None
+    with os.fdopen(fd, "rb") as raw:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _Refused(f"{printable(path.name)!r} is not a regular file")
+        if info.st_size > MAX_ZIP_BYTES:
+            raise _Refused(f"the zip is larger than {MAX_ZIP_BYTES // 2**20} MiB")
+        return _unzip_open(raw, into, wanted)
+
+
+def _unzip_open(raw, into: Path, wanted: set[str]) -> tuple[str, list[PurePosixPath], list[str]]:
+    """``_unzip`` on the zip file opened as ``raw``."""
+    try:
+        with zipfile.ZipFile(raw) as archive:
             members, refused = _zip_listing(archive)
             chosen, ignored = _choose(list(members), wanted)
             left = MAX_TOTAL_BYTES
@@ -220,14 +234,19 @@ def prepare(submission: Path, into: Path) -> tuple[int, list[str]]:
 
     Returns (how many files were copied, notes on what was not graded and why). Raises ``_Refused``
     when nothing can be read at all. The files come from the folder that holds the most of them
-    (``ann/``, ``ann/exercises/``, ``toyllm-student/exercises/`` inside a zip); they are read by
+    (``ann/``, ``ann/exercises/``, ``toyllm-student/exercises/`` inside a zip; a folder that holds none of
+    them but one zip is read as that zip); they are read by
     ``read_submission``, so a link, a device or an oversized file there is not graded either.
     """
     wanted = course_file_names()
     notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="toyllm-unzipped-") as unzipped:
+        listing = _listing(submission) if submission.is_dir() else []
+        zips = [p for p in listing if len(p.parts) == 1 and p.suffix.lower() == ".zip"]
+        if submission.is_dir() and not {p.name for p in listing} & wanted and len(zips) == 1:
+            submission = submission / zips[0]          # a folder holding only the student's zip (a Gradescope upload)
         if submission.is_dir():
-            chosen, ignored = _choose(_listing(submission), wanted)
+            chosen, ignored = _choose(listing, wanted)
             refused: list[str] = []
             source = submission if chosen is None else submission / chosen
             where = "" if chosen is None else str(chosen)
