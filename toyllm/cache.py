@@ -26,6 +26,7 @@ from typing import Iterator, Protocol, runtime_checkable
 import torch
 
 from .answers import shortcut
+from .checks import check_int
 from .model import ModelConfig
 
 
@@ -97,9 +98,8 @@ class DynamicKVCache:
     kind = "dynamic"
 
     def __init__(self, n_layers: int, headroom: int = 0):
-        if isinstance(headroom, bool) or not isinstance(headroom, int) or headroom < 0:
-            raise ValueError(f"headroom must be a whole number of rows >= 0, got {headroom!r}")
-        self.n_layers, self.headroom = n_layers, headroom
+        self.n_layers = n_layers
+        self.headroom = check_int(headroom, "headroom must be a whole number of rows >= 0", 0)
         self._k: list[torch.Tensor | None] = [None] * n_layers     # per layer: (B, Hkv, rows, D), rows >= held
         self._v: list[torch.Tensor | None] = [None] * n_layers
         self._len = [0] * n_layers                                  # per layer: rows held

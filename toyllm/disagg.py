@@ -61,6 +61,7 @@ import torch.distributed as dist
 
 from .answers import answer, exercise
 from .cache import DynamicKVCache
+from .checks import check_int, is_number
 from .generation import generate
 from .launch import RankContext, run_parallel
 from .measure import Verdict, compare, interleaved_runs, load_average, spread
@@ -74,9 +75,7 @@ LAYOUTS = ("flat", "per_layer")
 
 
 def _check_tokens(tokens) -> int:
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-        raise ValueError(f"tokens must be an int >= 1 (the prompt's length), got {tokens!r}")
-    return tokens
+    return check_int(tokens, "tokens must be an int >= 1 (the prompt's length)", 1)
 
 
 @answer("8.4", "The KV transfer's size")
@@ -280,13 +279,11 @@ def ship_kv_cache(spec: ModelSpec | str, ids: list[int], decode_tokens: int = 8,
     """
     spec = ModelSpec(spec) if isinstance(spec, str) else spec
     ids = [int(t) if not isinstance(t, bool) and hasattr(t, "__index__") else t for t in ids]
-    if isinstance(decode_tokens, bool) or not isinstance(decode_tokens, int) or decode_tokens < 1:
-        raise ValueError(f"decode_tokens must be an int >= 1 (the first token counts), got {decode_tokens!r}")
+    check_int(decode_tokens, "decode_tokens must be an int >= 1 (the first token counts)", 1)
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     for name, value, low in (("rounds", rounds, 1), ("warmup", warmup, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        check_int(value, f"{name} must be an int >= {low}", low)
     ranks = 1 if method == "single" else prefill_ranks
     check_prefill_request(spec, ids, method, ranks, decode_tokens=decode_tokens)
     load = load_average()
@@ -330,8 +327,7 @@ def link(bandwidth_bytes_per_s: float, latency_s: float = 10e-6, bytes_per_value
 
 
 def _check_bandwidth(bandwidth_bytes_per_s) -> None:
-    if isinstance(bandwidth_bytes_per_s, bool) or not isinstance(bandwidth_bytes_per_s, (int, float)) \
-            or not bandwidth_bytes_per_s > 0 or not math.isfinite(bandwidth_bytes_per_s):
+    if not (is_number(bandwidth_bytes_per_s) and 0 < bandwidth_bytes_per_s < math.inf):
         raise ValueError(f"bandwidth must be a finite number of bytes/s > 0, got {bandwidth_bytes_per_s!r}")
 
 
@@ -462,8 +458,7 @@ def serve_disaggregated(model, requests: list[Request], link_model: CostModel, *
         raise ValueError(f"link_model must be a CostModel (e.g. toyllm.disagg.link(10e9)), "
                          f"got {type(link_model).__name__}")
     for name, value in (("max_batch", max_batch), ("block_size", block_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_int(value, f"{name} must be an int >= 1", 1)
     pool = serving_pool(model, requests, max_batch, block_size)
     cfg, dtype = model.config, model.lm_head.weight.dtype
     bar = progress_bar(len(requests), "serving (disaggregated)") if progress else None

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from .answers import answer, exercise
+from .checks import check_int
 from .model import ModelConfig
 
 
@@ -61,8 +62,7 @@ class BlockPool:
                  dtype: torch.dtype = torch.float32):
         for name, value in (("n_blocks", n_blocks), ("block_size", block_size), ("n_layers", n_layers),
                             ("n_kv_heads", n_kv_heads), ("head_dim", head_dim)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            check_int(value, f"{name} must be an int >= 1", 1)
         self.block_size, self.n_layers = block_size, n_layers
         shape = (n_blocks, n_layers, n_kv_heads, block_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype)

@@ -46,6 +46,7 @@ import torch
 
 from .answers import answer, exercise
 from .cache import KVCache, copy_into
+from .checks import check_int
 from .paged import BlockPool, PagedKVCache
 
 
@@ -216,8 +217,7 @@ def check_settings(policy: str, max_batch: int, token_budget: int, block_size: i
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     for name, value in (("max_batch", max_batch), ("token_budget", token_budget), ("block_size", block_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_int(value, f"{name} must be an int >= 1", 1)
     if POLICY[policy].chunks_prompts and token_budget < max_batch + 1:
         raise ValueError(f"token_budget {token_budget} leaves no room for a prompt chunk beside {max_batch} "
                          f"decodes: give at least max_batch + 1 = {max_batch + 1}")

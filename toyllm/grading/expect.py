@@ -11,10 +11,11 @@ docstring promises them (an int is not a float, a tensor is not an int)::
 """
 from __future__ import annotations
 
-import numbers
 import os
 
 import torch
+
+from ..checks import is_number
 
 __all__ = ["close", "engine_cause", "equal", "neighbours_note", "raises", "same_tokens", "tensors_close"]
 
@@ -41,7 +42,7 @@ def equal(got, expected, call: str) -> None:
 
 def close(got, expected: float, call: str, rel: float = 1e-9, abs_tol: float = 0.0) -> None:
     """A real number (float, int or Fraction; not a bool, a tensor or a string) within ``rel`` of ``expected``."""
-    if isinstance(got, bool) or not isinstance(got, numbers.Real):
+    if not is_number(got):
         raise AssertionError(f"{call}: expected a number close to {expected!r}, got {_show(got)} ({_kind(got)})")
     if not _within(float(got), float(expected), rel, abs_tol):
         raise AssertionError(f"{call}: expected {expected!r}, got {float(got)!r} "
