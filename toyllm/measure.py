@@ -180,12 +180,15 @@ class Verdict:
         return f"{self._rounds}; a verdict needs {runs_needed()}"
 
     @property
+    def _by_how_much(self) -> str:
+        """A decided verdict's factor and word, "1.32x faster" or "1.25x slower" (always a factor >= 1)."""
+        return f"{self.ratio:.2f}x faster" if self.word == "faster" else f"{1 / self.ratio:.2f}x slower"
+
+    @property
     def than(self) -> str:
         """The comparison as words before the baseline's name: "1.32x faster than", "as fast (1.005x) as"."""
-        if self.word == "faster":
-            return f"{self.ratio:.2f}x faster than"
-        if self.word == "slower":
-            return f"{1 / self.ratio:.2f}x slower than"
+        if self.decided:
+            return f"{self._by_how_much} than"
         if self.word == "tie":
             return f"as fast ({self.ratio:.2f}x, inside the noise of the runs, p = {self.p:.2g}) as"
         return f"not comparable ({self.ratio:.2f}x from {self._undecided}) with"
@@ -193,8 +196,8 @@ class Verdict:
     @property
     def short(self) -> str:
         """The verdict as a table cell: "1.32x faster", "1.25x slower", "tie (1.02x)", "undecided (1.30x)"
-        (``than`` without the baseline's name where one side won; the word and the ratio otherwise)."""
-        return self.than.removesuffix(" than") if self.decided else f"{self.word} ({self.ratio:.2f}x)"
+        (the factor and the word where one side won, as ``than`` says them; the word and the ratio otherwise)."""
+        return self._by_how_much if self.decided else f"{self.word} ({self.ratio:.2f}x)"
 
     @property
     def _digits(self) -> int:
@@ -213,10 +216,8 @@ class Verdict:
         """
         numbers = f"{ours} {self.ours.format(self._digits)} vs {base} {self.base.format(self._digits)}"
         test = f"{self._rounds}, p = {self.p:.2g}"
-        if self.word == "faster":
-            return f"{numbers}: {ours} is {self.ratio:.2f}x faster ({test})"
-        if self.word == "slower":
-            return f"{numbers}: {ours} is {1 / self.ratio:.2f}x slower ({test})"
+        if self.decided:
+            return f"{numbers}: {ours} is {self._by_how_much} ({test})"
         if self.word == "tie":
             return f"{numbers}: a tie ({self.ratio:.2f}x, inside the noise of the runs: {test})"
         return f"{numbers}: undecided ({self._undecided})"
