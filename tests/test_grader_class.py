@@ -61,7 +61,8 @@ def test_a_zip_is_read_member_by_member_and_only_its_course_files_are_written(tm
     count, notes = prepare(archive, into)
     assert sorted(p.name for p in into.iterdir()) == ["ex01_naive_generation.py", "ex03_rooflines.py"]
     assert count == 2 and (into / "ex01_naive_generation.py").read_text() == ANSWER_01
-    assert (into / "ex03_rooflines.py").read_text() == "# -*- coding: utf-8 -*-\nNAME = 'é'\n"   # decoded as Python does
+    # decoded as Python decodes source, and saved as UTF-8
+    assert (into / "ex03_rooflines.py").read_text() == "# -*- coding: utf-8 -*-\nNAME = 'é'\n"
     assert not list(tmp_path.rglob("ex05_kv_runahead.py")) and not Path("/etc/ex06_partition_search.py").exists()
     text = "\n".join(notes)
     assert "graded the files in toyllm-student/exercises/" in text, text
@@ -84,7 +85,8 @@ def test_a_folder_is_graded_on_the_course_files_of_its_shallowest_folder_and_the
     count, notes = prepare(sub, into)
     assert count == 1 and [p.name for p in into.iterdir()] == ["ex01_naive_generation.py"]
     text = "\n".join(notes)
-    assert "graded the files in exercises/" in text and "'ex03_rooflines.py' was not graded: it is a symbolic link" in text
+    assert "graded the files in exercises/" in text, text
+    assert "'ex03_rooflines.py' was not graded: it is a symbolic link" in text, text
     assert "ignored 3 file(s)" in text and all(n in text for n in ("README.md", "ex09_extra.py", "ex03.ipynb")), text
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -124,7 +126,8 @@ def test_the_class_folder_holds_one_folder_or_zip_per_student(tmp_path):
     (tmp_path / "grades.txt").write_text("")
     (tmp_path / "eve").symlink_to(tmp_path / "ann")
     found, skipped = find_submissions(tmp_path)
-    assert [(s.name, bool(s.problem)) for s in found] == [("ann", False), ("bob", False), ("bob.zip", True), ("dan", False)]
+    assert [(s.name, bool(s.problem)) for s in found] == [("ann", False), ("bob", False), ("bob.zip", True),
+                                                          ("dan", False)]
     assert found[3].path == tmp_path / "dan.zip"
     assert skipped == ["'eve': a symbolic link, not a submission (give the folder itself)",
                        "'grades.txt': not a folder or a .zip, so not a student's submission"]
@@ -228,8 +231,10 @@ def _autograde(tmp_path: Path, zip_path: Path, files: dict[str, str]) -> dict:
 def test_run_autograder_gives_the_model_answers_full_marks_and_the_stubs_zero(tmp_path):
     out = tmp_path / "autograder.zip"
     autograder.build(out)
-    answers = _autograde(tmp_path / "answers", out, {"ex01_naive_generation.py": ANSWER_01, "ex03_rooflines.py": ANSWER_03})
-    stubs = _autograde(tmp_path / "stubs", out, {"ex03_rooflines.py": (ROOT / "exercises" / "ex03_rooflines.py").read_text()})
+    answers = _autograde(tmp_path / "answers", out,
+                         {"ex01_naive_generation.py": ANSWER_01, "ex03_rooflines.py": ANSWER_03})
+    stubs = _autograde(tmp_path / "stubs", out,
+                       {"ex03_rooflines.py": (ROOT / "exercises" / "ex03_rooflines.py").read_text()})
     for results, lessons in ((answers, {"1", "3"}), (stubs, {"3"})):        # Gradescope's schema
         assert {"score", "max_score", "output", "tests", "visibility"} <= set(results)
         assert {t["number"].split(".")[0] for t in results["tests"]} == lessons
@@ -262,7 +267,8 @@ def _a_class(folder: Path) -> None:
         (folder / "answers" / name).write_text(text)
     make_submission(folder / "partial", "partial")
     (folder / "stubs").mkdir()
-    (folder / "stubs" / "ex01_naive_generation.py").write_text((ROOT / "exercises" / "ex01_naive_generation.py").read_text())
+    stub = (ROOT / "exercises" / "ex01_naive_generation.py").read_text()
+    (folder / "stubs" / "ex01_naive_generation.py").write_text(stub)
     (folder / "syntax").mkdir()
     (folder / "syntax" / "ex01_naive_generation.py").write_text(ANSWER_01.replace("def ", "def def ", 1))
     (folder / "empty").mkdir()
@@ -304,7 +310,8 @@ def test_a_class_is_graded_resumed_after_ctrl_c_and_the_hostile_one_changes_no_o
     assert sorted(rows) == ["a_hostile", "answers", "empty", "partial", "stray", "stubs", "syntax", "zipped"]
     lesson_1 = [ex for ex in rows["answers"] if ex.startswith("1.")]
     lesson_3 = [ex for ex in rows["answers"] if ex.startswith("3.")]
-    assert rows["answers"]["total"] == "27" and all(rows["answers"][ex] != "0" for ex in lesson_1 + lesson_3), rows["answers"]
+    assert rows["answers"]["total"] == "27", rows["answers"]
+    assert all(rows["answers"][ex] != "0" for ex in lesson_1 + lesson_3), rows["answers"]
     assert rows["a_hostile"]["status"] == GRADED and all(rows["a_hostile"][ex] == "" for ex in lesson_1)
     for name in ("zipped", "stray"):
         assert rows[name]["total"] == "15" and rows[name]["status"] == GRADED, rows[name]

@@ -84,6 +84,10 @@ def main(args: argparse.Namespace) -> int:
     if args.class_dir is not None:
         from .gradebook import run as grade_class
         return grade_class(args)
+    if args.gradebook or args.results_dir or args.jobs is not None or args.regrade:
+        print("error: --gradebook, --results-dir, --jobs and --regrade grade a class: add --class SUBMISSIONS",
+              file=sys.stderr)
+        return 2
     try:
         report = grade(args.impl, only=only, extra_tests=args.extra_tests, results_path=args.results,
                        per_test_timeout_s=args.timeout, verbose=True, memory_limit_mb=args.memory_mb)

@@ -27,7 +27,6 @@ import csv
 import json
 import os
 import re
-import shutil
 import signal
 import stat
 import subprocess
@@ -360,8 +359,9 @@ def grade_one(sub: Submission, work: Path, results: Path, options: Options, stop
             if stop.wait(0.2):
                 return None
             if time.monotonic() > deadline:
-                return Row(sub.name, TIMED_OUT, notes="; ".join(
-                    [f"the grading took more than {format_points(options.student_timeout_s)} s (--student-timeout)", *notes]))
+                limit = format_points(options.student_timeout_s)
+                return Row(sub.name, TIMED_OUT,
+                           notes="; ".join([f"the grading took more than {limit} s (--student-timeout)", *notes]))
     finally:
         _stop(proc)
     if proc.returncode != 0 or not results.is_file():
@@ -391,8 +391,12 @@ def read_gradebook(path: Path, results_dir: Path) -> dict[str, Row]:
         for line in csv.DictReader(f):
             student = _uncell(line.get("student") or "")
             results = results_dir / f"{student}.json"
-            if line.get("status") == GRADED and student and results.is_file():
+            if line.get("status") != GRADED or not student or not results.is_file():
+                continue
+            try:
                 rows[student] = row_from_results(student, results, _uncell(line.get("notes") or ""))
+            except (ValueError, KeyError, TypeError, OSError):
+                pass                             # a results file that cannot be read: graded again
     return rows
 
 
@@ -467,7 +471,10 @@ def grade_class(submissions: Path, gradebook: Path, results_dir: Path, options: 
             work[pool.submit(grade_one, sub, folder, results_dir / f"{sub.name}.json", options, stop)] = sub
         try:
             for done in concurrent.futures.as_completed(work):
-                row = done.result()
+                try:
+                    row = done.result()
+                except Exception as e:      # the class grader's own fault with one student: a row, and the rest go on
+                    row = Row(work[done].name, CRASHED, notes=f"not graded: {type(e).__name__}: {printable(str(e))}")
                 if row is None:
                     continue
                 rows[row.student] = row
@@ -527,7 +534,8 @@ def run(args: argparse.Namespace) -> int:
     options = Options(only=only, extra_tests=str(Path(args.extra_tests).resolve()) if args.extra_tests else None,
                       timeout_s=args.timeout, memory_mb=args.memory_mb, student_timeout_s=args.student_timeout)
     rows = grade_class(submissions, gradebook, results_dir, options, jobs, regrade=args.regrade)
-    counts = {status: sum(r.status == status for r in rows.values()) for status in (GRADED, NO_FILES, CRASHED, TIMED_OUT)}
+    counts = {status: sum(r.status == status for r in rows.values())
+              for status in (GRADED, NO_FILES, CRASHED, TIMED_OUT)}
     print(f"wrote {gradebook} ({len(rows)} student(s): " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
           + f") and the results of each graded student in {results_dir}/")
     return 0
