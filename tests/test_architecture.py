@@ -106,9 +106,9 @@ LAYERS = [
      "toyllm.grading.submission", "toyllm.grading.counted"},
     {"toyllm.attention", "toyllm.quant"},
     {"toyllm.model"},
-    {"toyllm.cache", "toyllm.paged", "toyllm.tokenizer", "toyllm.analysis"},
+    {"toyllm.cache", "toyllm.paged", "toyllm.tokenizer", "toyllm.analysis", "toyllm.cost_fit"},
     {"toyllm.weights", "toyllm.generation", "toyllm.serving", "toyllm.launch", "toyllm.partition"},
-    {"toyllm.parallel", "toyllm.simulate"},
+    {"toyllm.parallel", "toyllm.simulate", "toyllm.partition_table"},
 ]
 
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from toyllm.cli import main
-from toyllm.partition import PartitionTable
+from toyllm.partition_table import PartitionTable
 from toyllm.simulate import CostModel
 
 
@@ -136,7 +136,7 @@ def test_serve_prints_a_table_with_one_row_per_policy(capsys):
 
 def test_prefill_kvr_uses_the_shipped_smollm2_table_unless_told_otherwise(tmp_path):
     from toyllm.cli import build_parser, check_prefill
-    from toyllm.partition import shipped_table, shipped_table_path
+    from toyllm.partition_table import shipped_table, shipped_table_path
 
     table = shipped_table("smollm2-135m", "causal", 2)
     assert table is not None and table.world_size == 2 and len(table.contexts) >= 3

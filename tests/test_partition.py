@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from toyllm import answers
-from toyllm.partition import (PartitionTable, SearchResult, align_boundaries, boundaries_from_chunks,
+from toyllm.partition import (SearchResult, align_boundaries, boundaries_from_chunks,
                               chunks_from_boundaries, dot_products, even_partition, exhaustive_search, hierarchical_grid_search,
                               kv_rows_sent, net_kvr_even, net_tsp, partition_from_ratios, prefixes,
                               search_boundary_1d, ttft_lower_bound, validate_partition)
+from toyllm.partition_table import PartitionTable
 
 
 # --------------------------------------------------------------------------- validation and construction
@@ -388,7 +389,7 @@ def test_search_partition_picks_the_search_by_world_size():
 def test_the_shipped_tables_are_valid_and_give_the_first_rank_more():
     """Each table in toyllm/tables was searched on measured runs; KV-Runahead's first rank always runs ahead."""
     from toyllm.model import PRESETS
-    from toyllm.partition import SHIPPED_TABLES, shipped_table
+    from toyllm.partition_table import SHIPPED_TABLES, shipped_table
 
     files = sorted(SHIPPED_TABLES.glob("*.json"))
     assert files, f"no table shipped in {SHIPPED_TABLES}"

@@ -288,7 +288,7 @@ def check_prefill(args) -> dict:
     """
     from .launch import _resolve_backend, launched_by_torchrun
     from .parallel import LinkModel, ModelSpec, check_prefill_request
-    from .partition import PartitionTable, shipped_table, shipped_table_path
+    from .partition_table import PartitionTable, shipped_table, shipped_table_path
 
     torchrun, single = launched_by_torchrun(), args.method == "single"
     cfg = get_config(args.model)
@@ -368,7 +368,7 @@ def check_search(args) -> dict:
     from pathlib import Path
 
     from .parallel import ModelSpec, check_prefill_request
-    from .partition import PartitionTable
+    from .partition_table import PartitionTable
     from .simulate import CostModel
 
     cfg, p, measured = get_config(args.model), args.world_size, args.cost == "measured"

@@ -48,7 +48,8 @@ def bench_search(quick: bool = False) -> dict:
     """The measured link, the cost model (fitted to real runs, and from one Block alone) vs measured TTFT,
     measured vs simulated search, KVR-P vs KVR-S, simulated 8-GPU scaling."""
     from ..analysis import LLAMA_7B
-    from ..partition import PartitionTable, partition_from_ratios, search_boundary_1d
+    from ..partition import partition_from_ratios, search_boundary_1d
+    from ..partition_table import PartitionTable
     from ..measure import compare, interleaved_runs, spread
     from ..parallel import measure_link
     from ..parallel.link import size_label
@@ -183,7 +184,8 @@ def bench_table(quick: bool = False) -> dict:
     round. Two processes with one thread each, causal-aware attention.
     """
     from ..measure import compare, interleaved_runs
-    from ..partition import even_partition, search_boundary_1d, shipped_table, shipped_table_path
+    from ..partition import even_partition, search_boundary_1d
+    from ..partition_table import shipped_table, shipped_table_path
 
     model, attention = "smollm2-135m", "causal"
     path, table = shipped_table_path(model, attention, 2), shipped_table(model, attention, 2)
