@@ -101,7 +101,7 @@ def test_the_cycle_finder_finds_a_cycle():
 LAYERS = [
     {"toyllm.utils", "toyllm.timeline", "toyllm.gguf_file", "toyllm.supervise", "toyllm.checks",
      # the course: which implementation of the exercises runs, and the sandbox that runs a submission
-     "toyllm.answers", "toyllm.grading.course", "toyllm.grading.impl", "toyllm.grading.stubs",
+     "toyllm.answers", "toyllm.course", "toyllm.stubs",
      "toyllm.grading.sandbox", "toyllm.grading.guard", "toyllm.grading.wire", "toyllm.grading.launcher",
      "toyllm.grading.submission", "toyllm.grading.counted"},
     {"toyllm.attention", "toyllm.quant"},

@@ -20,7 +20,7 @@ import pytest
 
 from toyllm import answers
 from toyllm.grading import edition
-from toyllm.grading.stubs import make_stub
+from toyllm.stubs import make_stub
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = ROOT / "solutions"

@@ -40,7 +40,8 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
-from .grading.course import GRADED_TESTS_RUN, lesson_module  # noqa: F401  (the course's facts, used here)
+from .course import ANSWERS_ENV, GRADED_TESTS_RUN, file_stamp, lesson_module, load_exercise, solutions_dir  # noqa: F401
+from .stubs import exercise_functions, model_answer_source, stub_exercises
 
 # Which implementation the marked functions call: "instructor" runs the model answers of solutions/,
 # "student" the student's exercises/ (the student edition's builder rewrites this line).
@@ -112,7 +113,7 @@ def shortcut(*numbers: str, student: str | None = None):
     return mark
 
 
-# The variables that decide which file answers an exercise (toyllm.grading.course and .impl read them).
+# The variables that decide which file answers an exercise (toyllm.course reads them).
 _CHOICE_ENV = ("TOYLLM_IMPL", "TOYLLM_ANSWERS", "TOYLLM_COURSE_DIR", "TOYLLM_GRADE_SANDBOX")
 _found: dict[tuple, list] = {}     # choice -> [file, its stamp, the function, time.monotonic() of the last check]
 # Seconds a found function is trusted before its file's stamp is read again. A stat is a system call
@@ -145,24 +146,21 @@ def exercise(number: str):
         if now - checked < RECHECK_S:
             return fn
         try:
-            st = os.stat(path)
+            same = file_stamp(path) == stamp
         except OSError:
-            st = None
-        if st is not None and (st.st_mtime_ns, st.st_size) == stamp:
+            same = False
+        if same:
             known[3] = now
             return fn
     module, fn = _find(number)
     path = getattr(module, "__file__", None)           # None: the grader's proxy, asked every time
     if path is not None:
-        st = os.stat(path)
-        _found[choice] = [path, (st.st_mtime_ns, st.st_size), fn, time.monotonic()]
+        _found[choice] = [path, file_stamp(path), fn, time.monotonic()]
     return fn
 
 
 def _find(number: str):
     """(the module, the function) of Exercise ``number``, checked to be written."""
-    from .grading.impl import load_exercise
-
     feature, name = _entry(number)
     if EDITION == "instructor":
         module = load_exercise(lesson_module(number), impl=_solutions_dir())
@@ -186,8 +184,6 @@ def _entry(number: str) -> tuple[str, str]:
 def _solutions_dir() -> Path:
     """$TOYLLM_ANSWERS, else solutions/ beside the package (an editable install in the checkout), else the course
     found from here."""
-    from .grading.course import ANSWERS_ENV, solutions_dir
-
     if os.environ.get(ANSWERS_ENV):
         return Path(os.environ[ANSWERS_ENV])
     beside = PACKAGE_DIR.parent / "solutions"
@@ -201,15 +197,12 @@ def _is_stub(module, number: str) -> bool:
     path = getattr(module, "__file__", None)
     if path is None:                 # a proxy of the grader's sandbox: the student's code answers for itself
         return False
-    stat = Path(path).stat()
-    return number in _stubs_in(path, stat.st_mtime_ns, stat.st_size)
+    return number in _stubs_in(path, *file_stamp(path))
 
 
 @functools.lru_cache(maxsize=64)
 def _stubs_in(path: str, mtime_ns: int, size: int) -> frozenset[str]:
     """The exercises still stubbed in a file, read once per version of it (the engine asks once per layer)."""
-    from .grading.stubs import stub_exercises
-
     return frozenset(stub_exercises(Path(path).read_text()))
 
 
@@ -237,8 +230,6 @@ def give(sources: dict[str, str]) -> None:
     sandbox, then each engine worker).
     """
     global _given
-    from .grading.stubs import stub_exercises
-
     given = {}
     for filename, text in sources.items():
         stem = filename.removesuffix(".py")
@@ -275,8 +266,6 @@ def forbidden_given(number: str, neighbours=()) -> list[str]:
     """The given model answers that could do Exercise ``number``'s work, as "module:function" specs: those of the
     exercises whose marks say ``also=(number,)``, except ``neighbours`` (what ``number``'s own model answer calls,
     which a submission may reach through its own functions of them)."""
-    from .grading.stubs import exercise_functions, model_answer_source
-
     marks = answer_marks()
     specs = []
     for module, _ in (_given or {}).values():

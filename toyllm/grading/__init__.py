@@ -1,8 +1,9 @@
 """Exercises and automatic grading: a small package, one module per concern.
 
-- ``course``: where the course's exercises, solutions and graded tests are;
-- ``impl``: which implementation runs (``load_exercise``, ``TOYLLM_IMPL``);
-- ``stubs``: exercise stubs generated from the model answers (``sync``);
+- (below it, in ``toyllm.course``: where the course's exercises, solutions and
+  graded tests are, and which implementation runs: ``load_exercise``,
+  ``TOYLLM_IMPL``; in ``toyllm.stubs``: the stubs generated from the model
+  answers, ``sync``);
 - ``edition``: the student edition, without the answers (``make student``);
 - ``plugin``: the pytest plugin (``--impl``, the markers, the grader's log);
 - ``sandbox``, ``server``, ``wire``: the submission's own process, and what
@@ -42,12 +43,11 @@ Command line::
                            [--results results.json] [--timeout S] [--memory-mb MB]
     python -m toyllm.grading sync [--check] [--force]
 """
-from .course import course_root
+from ..course import course_root, current_impl, load_exercise, resolve_impl
 from .grader import GradingError, check, grade
 from .report import GradeReport, TestResult
-from .impl import current_impl, load_exercise, resolve_impl
 from .sandbox import sandboxed
-from .stubs import make_stub, sync
+from ..stubs import make_stub, sync
 from .cli import add_arguments, main
 
 __all__ = ["GradeReport", "GradingError", "TestResult", "add_arguments", "check", "course_root", "current_impl",

@@ -24,7 +24,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .course import course_root
+from ..course import course_root
 from .edition import _git_files
 from .grader import GradingError, grade
 from .gradebook import _Refused, prepare

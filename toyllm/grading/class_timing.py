@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..measure import Spread, load_average, usable_cores
 from ..supervise import stop_signals_as_interrupt
-from .course import solutions_dir
+from ..course import solutions_dir
 from .gradebook import GRADED, Options, default_jobs, grade_class
 
 LESSONS = ("ex01", "ex02", "ex03")

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import answers
-from .course import course_root
+from ..course import course_root
 from .references import write_expected_values
-from .stubs import HINT_LEVELS, make_stub
+from ..stubs import HINT_LEVELS, make_stub
 
 # Files of the instructor edition that a class does not get: paths, and prefixes of paths (the grader's own
 # tests, tests/test_grader*.py, grade the model answers and the hostile submissions of the fixtures).

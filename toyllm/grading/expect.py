@@ -252,9 +252,9 @@ def _fails_own_tests(number: str) -> bool:
     wrong too: in the student edition nothing stands in for it)."""
     from toyllm import answers
 
-    from .course import exercise_file, resolve_impl
+    from ..course import exercise_file, resolve_impl
     from .grader import GradingError, grade
-    from .impl import current_impl
+    from ..course import current_impl
 
     try:                          # read by name, never asked of the submission (under the grader it is a proxy)
         path = exercise_file(resolve_impl(), answers.lesson_module(number))

@@ -40,7 +40,7 @@ from pathlib import Path, PurePosixPath
 
 from ..measure import usable_cores
 from ..supervise import die_with_parent
-from .course import course_root, exercises_dir, grading_tests_dir
+from ..course import course_root, exercises_dir, grading_tests_dir
 from .report import exercise_key, format_points, printable
 from .selection import lesson_files, select
 from .submission import MAX_FILE_BYTES, MAX_TOTAL_BYTES, read_submission

@@ -18,8 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .course import grading_tests_dir
-from .impl import NAMED_IMPLS, current_impl, resolve_impl
+from ..course import NAMED_IMPLS, current_impl, grading_tests_dir, resolve_impl
 from .report import GradeReport, explain, format_points
 from .run import GradingError, close_standby, open_to_others, private_copy_of_tests, run_lesson
 from .sandbox import DEFAULT_MEMORY_MB, isolation, namespaces_work, sandbox_user

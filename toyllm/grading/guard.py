@@ -38,7 +38,7 @@ import threading
 import types
 from pathlib import Path
 
-from .stubs import exercise_functions, model_answer_source
+from ..stubs import exercise_functions, model_answer_source
 
 
 class IndependenceError(Exception):

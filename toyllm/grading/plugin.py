@@ -22,7 +22,7 @@ import time
 
 from .. import answers
 from . import sandbox
-from .impl import IMPL_ENV, NAMED_IMPLS, current_impl, resolve_impl
+from ..course import IMPL_ENV, NAMED_IMPLS, current_impl, resolve_impl
 
 EXERCISE_ID = re.compile(r"^(\d+)\.(\d+)$")
 

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .course import COURSE_ENV, course_root
+from ..course import COURSE_ENV, course_root
 
 RECORD_ENV = "TOYLLM_RECORD_EXPECTED"      # a folder: record every reference's value there (the builder sets it)
 SEED_ENV = "TOYLLM_GRADE_SEED"             # the seed of the graded tests' drawn cases (tests/grading/conftest.py)

@@ -13,8 +13,7 @@ import time
 from pathlib import Path
 
 from ..supervise import die_with_parent, signal_group
-from .course import COURSE_ENV, course_root, grading_tests_dir, solutions_dir
-from .impl import IMPL_ENV
+from ..course import COURSE_ENV, IMPL_ENV, course_root, grading_tests_dir, solutions_dir
 from .outcome import outcome, read_log
 from .plugin import EXERCISES_ENV, LESSON_ENV, LOG_ENV
 from .report import TestResult, printable

@@ -55,10 +55,11 @@ from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
 from . import guard, wire
+from .. import course
+from ..course import SANDBOX_ENV  # noqa: F401  ("1" in the grader's pytest processes; run.py sets it)
 from ..supervise import become_subreaper, describe_exit, die_with_parent, signal_group
 from .launcher import ID_RANGE, closed_folders, namespaces_work, unused_id
 
-SANDBOX_ENV = "TOYLLM_GRADE_SANDBOX"          # "1" in the grader's pytest processes
 TIMEOUT_ENV = "TOYLLM_GRADE_TIMEOUT"          # seconds per test (the grader's --timeout)
 MEMORY_ENV = "TOYLLM_GRADE_MEMORY_MB"         # address-space limit of the sandbox (MiB)
 USER_ENV = "TOYLLM_SANDBOX_USER"              # who runs the submission when the grader is root
@@ -231,7 +232,7 @@ class Sandbox:
 
     def _files(self) -> dict[str, str]:
         """The submission as it is now: its files' text ({"submission/exNN_*.py": text})."""
-        from .course import resolve_impl
+        from ..course import resolve_impl
         from .submission import read_submission
 
         # Text read as regular files, never through a link; grade() reports what was skipped.
@@ -241,7 +242,7 @@ class Sandbox:
     def _answers(self) -> tuple[dict[str, str], list[str]]:
         """The model answers the graded exercise may use and those its own model answer calls
         (``model_answers_for``); none outside a test, and none in the student edition."""
-        from .course import solutions_dir
+        from ..course import solutions_dir
 
         try:
             reference = solutions_dir()
@@ -429,8 +430,8 @@ def model_answers_for(exercise: str | None, reference: Path) -> tuple[dict[str, 
     exercise is a stub in the text, and a file with none of them is left out: 1.1 calling the submission's
     1.2 reaches only the submission's 1.2.
     """
-    from .course import GRADED_TESTS_RUN, lesson_module
-    from .stubs import make_stub
+    from ..course import GRADED_TESTS_RUN, lesson_module
+    from ..stubs import make_stub
 
     if exercise is None:                    # outside a test: no answer at all
         return {}, set()
@@ -543,7 +544,7 @@ class RemoteModule:
     """The submission's exercise module as the graded tests see it: attribute access gives ``RemoteFunction``s."""
 
     def __init__(self, name: str):
-        from .course import exercise_file, resolve_impl
+        from ..course import exercise_file, resolve_impl
 
         self._name = name
         self.__file__ = exercise_file(resolve_impl(), name)
@@ -562,6 +563,9 @@ class RemoteModule:
 
 def remote_module(name: str) -> RemoteModule:
     return RemoteModule(name)
+
+
+course.load_remotely_with(remote_module)       # inside a grading, load_exercise(name) gives this proxy
 
 
 # --------------------------------------------------------------------------- the same rules, in-process

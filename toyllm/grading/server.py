@@ -89,8 +89,8 @@ def _raise_answer(answer: dict):
 
 # What the harness runs: imported before any submitted code, so their state is the framework's own.
 FRAMEWORK_MODULES = ("toyllm.grading.harness", "toyllm.launch", "toyllm.parallel", "toyllm.simulate",
-                     "toyllm.partition", "toyllm.generation", "toyllm.analysis", "toyllm.attention", "toyllm.model",
-                     "toyllm.cache", "toyllm.answers")
+                     "toyllm.partition", "toyllm.partition_table", "toyllm.generation", "toyllm.analysis",
+                     "toyllm.attention", "toyllm.model", "toyllm.cache", "toyllm.answers")
 
 
 def main(fd: int) -> None:
@@ -100,7 +100,7 @@ def main(fd: int) -> None:
 
     from . import guard, wire
     from .harness import cost_argument
-    from .impl import exercise_file, load_exercise, resolve_impl
+    from ..course import exercise_file, load_exercise, resolve_impl
 
     for name in FRAMEWORK_MODULES:
         importlib.import_module(name)

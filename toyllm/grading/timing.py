@@ -26,7 +26,7 @@ import sys
 import time
 
 from ..measure import Spread, load_average, usable_cores
-from .course import course_root, grading_tests_dir
+from ..course import course_root, grading_tests_dir
 from .grader import check
 
 READ_S = 5.0          # a student reads the result before checking again (and the standby gets ready)

@@ -9,13 +9,24 @@ installed package (an editable install inside the checkout).
 
 It also says which implementation of the exercises runs: ``TOYLLM_IMPL``
 is ``exercises`` (the default), ``solutions`` or a folder of ``exNN_*.py``
-files (``resolve_impl``).
+files (``resolve_impl``), and loads it: ``load_exercise("ex01")`` is THE
+way notebooks, graded tests and the framework (``toyllm.answers``) reach
+exercise code, so that one switch decides whose code runs.
+
+This is the seam between the framework and the exercises, at the bottom of
+the package: it imports nothing of toyllm. The grader, above it, registers
+how exercise modules are reached while it grades (``load_remotely_with``).
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
 import re
+import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Callable
 
 COURSE_ENV = "TOYLLM_COURSE_DIR"
 ANSWERS_ENV = "TOYLLM_ANSWERS"     # where the model answers are, if not solutions/ (the grader's sandbox sets it)
@@ -38,7 +49,7 @@ def course_root() -> Path:
     for folder in (here, *here.parents):
         if _is_course(folder):
             return folder
-    beside = Path(__file__).resolve().parents[2]
+    beside = Path(__file__).resolve().parents[1]
     if _is_course(beside):
         return beside
     raise ValueError(f"no course folder found from {here}: run from inside a checkout of the course "
@@ -121,3 +132,62 @@ def lesson_module(number: str) -> str:
 GRADED_TESTS_RUN: dict[str, tuple[str, ...]] = {
     "ex01": ("2.1",), "ex02": ("2.1",), "ex04": ("2.1",), "ex05": ("2.1",), "ex08": ("2.1", "8.1", "8.2"),
 }
+
+
+# --------------------------------------------------------------------------- loading an implementation
+
+SANDBOX_ENV = "TOYLLM_GRADE_SANDBOX"     # "1" in the grader's pytest processes: exercises run in its sandbox
+_remote_loader: Callable[[str], ModuleType] | None = None
+_loaded: dict[Path, tuple[tuple[int, int], ModuleType]] = {}
+
+
+def load_remotely_with(loader: Callable[[str], ModuleType]) -> None:
+    """While the grader runs (``TOYLLM_GRADE_SANDBOX=1``), ``load_exercise(name)`` returns ``loader(name)``: a proxy
+    whose functions run in the sandbox (``toyllm.grading.sandbox`` registers it when it is imported)."""
+    global _remote_loader
+    _remote_loader = loader
+
+
+def file_stamp(path: str | os.PathLike) -> tuple[int, int]:
+    """(modification time in ns, size in bytes) of a file: what says it changed since it was last read."""
+    stat = os.stat(path)
+    return stat.st_mtime_ns, stat.st_size
+
+
+def load_exercise(name: str, impl: str | os.PathLike | None = None) -> ModuleType:
+    """The module ``name`` ("ex01" or "ex01_naive_generation") of the chosen implementation.
+
+    impl: "exercises", "solutions" or a folder; by default ``$TOYLLM_IMPL``
+    (``exercises`` when unset).
+
+    The file is imported from its path (no change to ``sys.path``) under a
+    private module name. While the grader runs, the current implementation
+    is never imported into the grader's process: you get a proxy whose
+    functions run in the sandbox (``toyllm.grading.sandbox``). A file
+    edited since its last load is loaded again, so re-running a notebook
+    cell picks up your latest code.
+    """
+    if impl is None and os.environ.get(SANDBOX_ENV) == "1":
+        # Inside the grader: the submission runs in the sandbox process, never here (see toyllm.grading.sandbox).
+        if _remote_loader is None:
+            raise RuntimeError(f"{SANDBOX_ENV}=1 (inside a grading) but toyllm.grading is not imported: "
+                               "nothing says how to reach the sandbox")
+        return _remote_loader(name)
+    path = exercise_file(resolve_impl(impl), name)
+    stamp = file_stamp(path)
+    cached = _loaded.get(path)
+    if cached is not None and cached[0] == stamp:
+        return cached[1]
+    # one module name per folder, so a student's ex01 and the model answers' ex01 never collide
+    folder_tag = hashlib.sha1(str(path.parent).encode()).hexdigest()[:8]
+    module_name = f"_toyllm_{folder_tag}_{path.stem}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module       # what the import system does too (dataclasses, pickling need it)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(module_name, None)
+        raise
+    _loaded[path] = (stamp, module)
+    return module
