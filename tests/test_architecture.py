@@ -102,7 +102,8 @@ LAYERS = [
     {"toyllm.utils", "toyllm.timeline", "toyllm.gguf_file", "toyllm.supervise", "toyllm.checks",
      # the course: which implementation of the exercises runs, and the sandbox that runs a submission
      "toyllm.answers", "toyllm.course", "toyllm.stubs",
-     "toyllm.grading.sandbox", "toyllm.grading.guard", "toyllm.grading.wire", "toyllm.grading.launcher",
+     "toyllm.grading.sandbox", "toyllm.grading.local", "toyllm.grading.guard", "toyllm.grading.wire",
+     "toyllm.grading.launcher",
      "toyllm.grading.submission", "toyllm.grading.counted"},
     {"toyllm.attention", "toyllm.quant"},
     {"toyllm.model"},

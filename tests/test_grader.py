@@ -1562,7 +1562,7 @@ def _run_exercise(impl: Path, exercise: str) -> dict[str, str]:
     from toyllm import build_model
     from toyllm.grading import sandbox
     from toyllm.grading import harness
-    from toyllm.grading.sandbox import LocalModule
+    from toyllm.grading.local import LocalModule
 
     lesson = int(exercise.split(".")[0])
     path = next((ROOT / "tests" / "grading").glob(f"test_ex{lesson:02d}_*.py"))

@@ -21,7 +21,7 @@ from test_grader import _graded_conftest, _run_exercise, _variant
 from toyllm import answers
 from toyllm.grading import harness, load_exercise, sandbox
 from toyllm.grading.expect import engine_cause
-from toyllm.grading.sandbox import LocalModule
+from toyllm.grading.local import LocalModule
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -34,7 +34,8 @@ import torch
 from toyllm import answers, build_model
 from toyllm.grading import load_exercise
 from toyllm.grading.references import EDITION_SEED
-from toyllm.grading.sandbox import SANDBOX_ENV, LocalModule
+from toyllm.grading.local import LocalModule
+from toyllm.grading.sandbox import SANDBOX_ENV
 from toyllm.grading.submission import read_submission
 
 

@@ -46,7 +46,7 @@ Command line::
 from ..course import course_root, current_impl, load_exercise, resolve_impl
 from .grader import GradingError, check, grade
 from .report import GradeReport, TestResult
-from .sandbox import sandboxed
+from .local import sandboxed
 from ..stubs import make_stub, sync
 from .cli import add_arguments, main
 

@@ -35,12 +35,12 @@ namespace along; elsewhere the pytest process is a child subreaper, so
 even processes that detached themselves come back to it and are ended.
 
 Outside the grader (plain ``pytest tests/grading``) the same tests run the
-submission in-process under the same rules (``LocalModule``), which keeps
-``make test`` fast.
+submission in-process under the same rules (``toyllm.grading.local``), which
+keeps ``make test`` fast.
 
 Test authors reach trusted helpers that must run next to the submission
 (a model loop that records forward calls, the parallel engine) with
-``sandboxed("toyllm.grading.harness:function", *args)``.
+``sandboxed("toyllm.grading.harness:function", *args)`` (in ``local``).
 """
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def describe_call(name: str, args, kwargs) -> str:
             return f"tensor{tuple(x.shape)}"
         if isinstance(x, torch.nn.Module):
             return type(x).__name__
-        if isinstance(x, (RemoteFunction, LocalFunction)):
+        if isinstance(x, RemoteFunction):          # a submitted function (only proxies reach the sandbox)
             return x.__name__
         text = repr(x)
         return text if len(text) <= 40 else text[:37] + "..."
@@ -566,75 +566,3 @@ def remote_module(name: str) -> RemoteModule:
 
 
 course.load_remotely_with(remote_module)       # inside a grading, load_exercise(name) gives this proxy
-
-
-# --------------------------------------------------------------------------- the same rules, in-process
-
-class LocalFunction:
-    """A submitted function called in this process under the grading rules (plain pytest runs)."""
-
-    def __init__(self, module: "LocalModule", fn):
-        self._module, self._fn, self.__name__ = module, fn, fn.__name__
-        self.__qualname__ = getattr(fn, "__qualname__", fn.__name__)
-        self.__wrapped__ = fn
-
-    @property
-    def source_file(self) -> Path:
-        return Path(self._module._module.__file__)
-
-    def __call__(self, *args, **kwargs):
-        with self._module._rules(self.__name__) as violations:
-            try:
-                return self._fn(*args, **kwargs)
-            finally:
-                if violations and context.on_violation is not None:
-                    context.on_violation(context.exercise, violations[0])
-
-
-class LocalModule:
-    """An exercise module whose functions run in-process under ``guard.rules`` for the current test."""
-
-    def __init__(self, module, reference=None):
-        self._module, self._reference = module, reference
-        self.__file__ = module.__file__
-
-    def _rules(self, called: str):
-        swaps = guard.swaps_for(context.exercise, self._module, self._reference, called)
-        return guard.rules(context.exercise, context.forbidden, [self._module.__file__], swaps)
-
-    def __getattr__(self, attr: str):
-        value = getattr(self._module, attr)
-        return LocalFunction(self, value) if callable(value) and not isinstance(value, type) else value
-
-
-def sandboxed(target: str, *args, **kwargs):
-    """Run the trusted function ``"toyllm.module:function"`` where the submission runs; return its value.
-
-    Under the grader that is the sandbox (submitted functions among the
-    arguments are the sandbox's own copies); in a plain pytest run, this
-    process, under the same rules. Use it for helpers that must call
-    submitted code many times or hand it to other processes (see
-    ``toyllm.grading.harness``). The value must be plain data.
-    """
-    module_name, _, fn_name = target.partition(":")
-    if not module_name.startswith("toyllm.") or not fn_name:
-        raise ValueError(f"sandboxed() runs 'toyllm.module:function' helpers, got {target!r}")
-    if os.environ.get(SANDBOX_ENV) == "1":
-        what = describe_call(fn_name, args, kwargs)
-        return _get_sandbox().call(("harness", target), args, kwargs, what)
-    import importlib
-
-    fn = getattr(importlib.import_module(module_name), fn_name)
-    local = [a for a in (*args, *kwargs.values()) if isinstance(a, LocalFunction)]
-    args = tuple(a.__wrapped__ if isinstance(a, LocalFunction) else a for a in args)
-    kwargs = {k: (v.__wrapped__ if isinstance(v, LocalFunction) else v) for k, v in kwargs.items()}
-    files = [f.source_file for f in local]
-    swaps = []
-    for f in local:
-        swaps += guard.swaps_for(context.exercise, f._module._module, f._module._reference, f.__name__)
-    with guard.rules(context.exercise, context.forbidden, files, swaps) as violations:
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if violations and context.on_violation is not None:
-                context.on_violation(context.exercise, violations[0])
