@@ -89,7 +89,7 @@ class DynamicKVCache:
     Python list over-allocates to append in amortised constant time. Either
     way the rows of each sequence and head lie together, at most h spare rows
     before the next ones, which a batched matrix product reads fastest
-    (``bench_decode.window_products`` measures it; a static cache's slots are
+    (``toyllm.bench.decode.window_products`` measures it; a static cache's slots are
     sized for the longest sequence). ``copies`` counts
     the growths that copied held rows; ``copied_rows`` the rows they moved
     (per sequence and head, K and V counted once).

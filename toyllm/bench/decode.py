@@ -106,7 +106,7 @@ def weight_products(model):
     return run
 
 
-def smollm2_formats(formats=WEIGHT_FORMATS, new_tokens: int = 32, rounds: int = 3, prompt: str = CHAT_PROMPT,
+def smollm2_formats(formats=WEIGHT_FORMATS, new_tokens: int = 32, rounds: int = 5, prompt: str = CHAT_PROMPT,
                     answer_tokens: int = 48, attention: str = "dense", floor: bool = False) -> dict:
     """Decode tokens/s of SmolLM2 per weight format, formats alternating round by round.
 
@@ -236,7 +236,7 @@ def profile_decode_step(model, prompt_len: int = 38, steps: int = 8) -> dict:
 
 
 @torch.no_grad()
-def compile_trial(model, prompt_len: int = 38, steps: int = 16, rounds: int = 3) -> dict:
+def compile_trial(model, prompt_len: int = 38, steps: int = 16, rounds: int = 5) -> dict:
     """Is a decode step faster with torch.compile? Seconds per step, eager and compiled, alternating rounds.
 
     Two ways are tried. "whole": ``torch.compile(model)`` asked for the decode
@@ -361,7 +361,7 @@ def bench_batched(quick: bool = False) -> dict:
               "static": "static"}
     row = {"prompts": n, "prompt_len": BLOG_PROMPT_LEN, "new_tokens": BLOG_NEW_TOKENS, "config": BLOG_TOY.to_dict(),
            "threads": torch.get_num_threads(), "warmup": 0 if quick else 1,
-           **time_naive_and_cached(model, prompts, BLOG_NEW_TOKENS, 1 if quick else 3, warmup=0 if quick else 1,
+           **time_naive_and_cached(model, prompts, BLOG_NEW_TOKENS, 1 if quick else 5, warmup=0 if quick else 1,
                                    caches=tuple(caches.items()))}
 
     def copies(how) -> int:

@@ -10,7 +10,7 @@ from ..utils import random_prompt
 from .common import progress
 
 
-def naive_vs_cached(model, prompt_len: int = 64, new_tokens: int = 256, rounds: int = 3, seed: int = 0) -> dict:
+def naive_vs_cached(model, prompt_len: int = 64, new_tokens: int = 256, rounds: int = 5, seed: int = 0) -> dict:
     """Time a greedy generation both ways on the same random prompt (seconds), the two taking turns for
     ``rounds`` rounds after a warm-up round (``time_naive_and_cached``)."""
     ids = random_prompt(prompt_len, model.config.vocab_size, seed)
@@ -66,7 +66,7 @@ def bench_generation(quick: bool = False) -> dict:
     from ..generation import generate
     from ..weights import load_model
 
-    repeats = 2 if quick else 3
+    repeats = 2 if quick else 5        # 5 rounds: the fewest from which measure's rank test can decide
     new_tokens = 64 if quick else 512
     models = [(name, load_model(name)[0]) for name in ("tiny", "bench")]
     models.append((f"toy-512 ({TOY_512.d_model} wide, {TOY_512.n_layers} layers, MLP {TOY_512.ffn_dim})",

@@ -129,7 +129,7 @@ def bench_kernels(quick: bool = False) -> dict:
             configs = {"TSP": {"method": "tsp"}, "TSP-zigzag": {"method": "tsp", "balance": "zigzag"},
                        "KVR-E": {"method": "kvr"}, "KVR-S": {"method": "kvr", "partition": chunks}}
             cmp = compare_prefills(spec, ids, configs, single_spec=ModelSpec(model, attention="sdpa"),
-                                   rounds=2 if quick or big else 3, warmup=1, timeout_s=3600, machine=machine,
+                                   rounds=2 if quick else 5, warmup=1, timeout_s=3600, machine=machine,
                                    single_in_workers=True)
             row.update(runs=cmp.runs, baseline=cmp.baseline, rounds=len(cmp.runs["TSP"].runs),
                        verdicts={"tsp": cmp.verdict("KVR-S", "TSP"), "zigzag": cmp.verdict("KVR-S", "TSP-zigzag"),

@@ -33,7 +33,7 @@ def bench_serving(quick: bool = False) -> dict:
     ways = {p: (lambda p=p: serve(model, workload, p, token_budget=budget, **settings)) for p in POLICIES}
     ways["disaggregated"] = lambda: serve_disaggregated(model, workload, link_model, **settings)
     results: dict = {w: [] for w in ways}
-    rounds = 2 if quick else 3
+    rounds = 2 if quick else 5          # the fewest from which measure's rank test can decide
     with torch.inference_mode():
         interleaved_runs({w: (lambda w=w, fn=fn: results[w].append(fn())) for w, fn in ways.items()}, rounds,
                          warmup=1)
