@@ -242,6 +242,7 @@ def test_run_autograder_gives_the_model_answers_full_marks_and_the_stubs_zero(tm
             assert {"name", "score", "max_score", "output", "visibility", "status"} <= set(t)
             assert t["status"] in ("passed", "failed") and t["visibility"] in ("visible", "after_published")
     assert answers["score"] == answers["max_score"] == 15 + 12
+    assert "no exNN file for them in your submission;" in answers["output"], answers["output"]
     assert stubs["score"] == 0 and stubs["max_score"] == 12
 
 
@@ -314,7 +315,7 @@ def test_a_class_is_graded_resumed_after_ctrl_c_and_the_hostile_one_changes_no_o
     assert all(rows["answers"][ex] != "0" for ex in lesson_1 + lesson_3), rows["answers"]
     assert rows["a_hostile"]["status"] == GRADED and all(rows["a_hostile"][ex] == "" for ex in lesson_1)
     for name in ("zipped", "stray"):
-        assert rows[name]["total"] == "15" and rows[name]["status"] == GRADED, rows[name]
+        assert rows[name]["total"] == "15" and rows[name]["status"] == GRADED, (rows[name]["status"], rows[name]["notes"])
     assert (rows["partial"]["total"], rows["stubs"]["total"], rows["syntax"]["total"]) == ("11", "0", "0")
     assert rows["empty"]["status"] == NO_FILES and rows["empty"]["total"] == "0"
     assert "graded the files in toyllm-student/exercises/" in rows["zipped"]["notes"]
@@ -322,3 +323,5 @@ def test_a_class_is_graded_resumed_after_ctrl_c_and_the_hostile_one_changes_no_o
     assert {row["maximum"] for row in rows.values()} == {"27"}
     shown = json.loads((tmp_path / "grades-results" / "stray.json").read_text())["output"]
     assert shown.startswith("ignored 3 file(s)"), shown                   # the student reads it too
+    shown = json.loads((tmp_path / "grades-results" / "answers.json").read_text())["output"]
+    assert "not graded: ex02, ex04-ex08 (no exNN file for them in answers;" in shown, shown   # not the grader's copy

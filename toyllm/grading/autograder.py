@@ -113,7 +113,7 @@ def run(root: Path) -> int:
             _failed(results, f"grading failed: {printable(str(e))}", notes)
             return 1
     report.impl = "your submission"
-    report.notes = notes + report.notes
+    report.notes = notes + [note.replace(str(staged.resolve()), "your submission") for note in report.notes]
     report.write(results)
     print(report.table(show_hidden=False))
     return 0

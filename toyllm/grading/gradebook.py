@@ -291,18 +291,21 @@ def _command(impl: Path, results: Path, options: Options) -> list[str]:
     return cmd
 
 
+def _running(proc: subprocess.Popen) -> bool:
+    """Whether the grading process still runs, without reaping it: while it is unreaped, its process id (and
+    so its process group's) cannot go to another process, so signalling the group never hits a stranger."""
+    return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+
+
 def _stop(proc: subprocess.Popen) -> None:
-    """End a grading: SIGTERM (it ends its own processes and removes its folders), then SIGKILL to its group."""
-    if proc.poll() is None:
+    """End a grading: SIGTERM (it ends its own processes and removes its folders), then SIGKILL to its group,
+    then reap it."""
+    if _running(proc):
         os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(STOP_WAIT_S)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)       # whatever of its session is left
-    except ProcessLookupError:
-        pass
+        deadline = time.monotonic() + STOP_WAIT_S
+        while _running(proc) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)           # whatever of its session is left; the leader is ours, unreaped
     proc.wait()
 
 
@@ -324,10 +327,11 @@ def row_from_results(student: str, results: Path, notes: str = "") -> Row:
     return row
 
 
-def _add_notes(results: Path, notes: list[str]) -> None:
-    """Put the notes on what was handed in above the results' table, which the student sees."""
+def _add_notes(results: Path, notes: list[str], staged: Path, shown: str) -> None:
+    """Put the notes on what was handed in above the results' table, which the student sees, and name the
+    submission ``shown`` there instead of the grader's temporary copy ``staged``."""
     data = json.loads(results.read_text())
-    data["output"] = "\n".join(notes + [data["output"]])
+    data["output"] = "\n".join(notes + [data["output"]]).replace(str(staged), shown)
     tmp = results.with_name(f".{results.name}.tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(tmp, results)
@@ -355,7 +359,7 @@ def grade_one(sub: Submission, work: Path, results: Path, options: Options, stop
                                 preexec_fn=lambda: die_with_parent(signal.SIGTERM))
     deadline = time.monotonic() + options.student_timeout_s
     try:
-        while proc.poll() is None:
+        while _running(proc):
             if stop.wait(0.2):
                 return None
             if time.monotonic() > deadline:
@@ -367,8 +371,7 @@ def grade_one(sub: Submission, work: Path, results: Path, options: Options, stop
     if proc.returncode != 0 or not results.is_file():
         return Row(sub.name, CRASHED, notes="; ".join([f"the grading stopped (exit code {proc.returncode}): "
                                                       f"{_last_line(log)}", *notes]))
-    if notes:
-        _add_notes(results, notes)
+    _add_notes(results, notes, staged.resolve(), sub.path.name)
     return row_from_results(sub.name, results, "; ".join(notes))
 
 
