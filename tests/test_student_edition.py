@@ -211,6 +211,7 @@ def test_the_edition_holds_no_answer_and_no_instructor_file(student_edition):
         assert "(idea: " in text and "(hint: " not in text, path.name
     makefile = (out / "Makefile").read_text()
     assert "TOYLLM_IMPL=solutions" not in makefile and "student:" not in makefile and "exercises:" not in makefile
+    assert "autograder" not in makefile
     assert "student edition" in (out / "README.md").read_text()
     steps = (out / "toyllm" / "parallel" / "steps.py").read_text()
     assert "layer.qkv" not in steps and "chain.irecv" not in steps       # every step is an exercise's

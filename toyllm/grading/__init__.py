@@ -7,7 +7,8 @@
 - ``edition``: the student edition, without the answers (``make student``);
 - ``plugin``: the pytest plugin (``--impl``, the markers, the grader's log);
 - ``sandbox``, ``server``, ``wire``: the submission's own process, and what
-  crosses to it and back;
+  crosses to it and back; ``local``: the same rules in this process (a plain
+  pytest run), and ``sandboxed``;
 - ``guard``: the rules a submitted call runs under (independence, one
   exercise at a time);
 - ``harness``: trusted helpers that graded tests run next to the submission;
@@ -16,6 +17,9 @@
   ``run`` (one lesson's trusted pytest process, watched), ``outcome`` (its
   event log read into a status per test), ``report`` (tables and Gradescope
   results);
+- ``gradebook``: a class folder graded side by side into one CSV (``grade --class``);
+  ``autograder``: the Gradescope zip (``make autograder``); ``class_timing`` and
+  ``timing``: how long grading takes;
 - ``cli``: the command line.
 
 1. **Which implementation runs.** Every lesson's exercises exist twice with

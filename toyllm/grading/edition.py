@@ -333,9 +333,9 @@ def _without_shortcut_bodies(text: str, marks: list[answers.Mark]) -> str:
 def _student_makefile(text: str) -> str:
     text = text.replace("TOYLLM_IMPL=solutions ", "").replace(
         "against the model answers.", "against your exercises (a test that needs an unwritten one is skipped).")
-    # Targets that need the model answers go.
-    text = re.sub(r"\n(?:# [^\n]*\n)*(?:exercises|student):[^\n]*\n(?:\t[^\n]*\n)*", "\n", text)
-    return text.replace(" exercises student ", " ").replace(" student exercises ", " ")
+    # Targets that need the model answers, or are the instructor's (the Gradescope zip), go.
+    text = re.sub(r"\n(?:# [^\n]*\n)*(?:exercises|student|autograder):[^\n]*\n(?:\t[^\n]*\n)*", "\n", text)
+    return text.replace(" exercises student autograder ", " ").replace(" exercises student ", " ")
 
 
 def build(out: Path, hints: str = "idea", root: Path | None = None, log=sys.stdout) -> list[str]:
