@@ -71,11 +71,10 @@ def test_run_parallel_passes_args_kwargs_and_returns_cpu_tensors():
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("fail", [False, True])
-def test_what_the_workers_ran_is_recorded_in_the_parent(fail, monkeypatch):
+def test_what_the_workers_ran_is_recorded_in_the_parent(fail):
     """A failed test names the exercises the engine ran for it, also those its worker processes ran."""
     from toyllm import answers
 
-    monkeypatch.setenv("TOYLLM_IMPL", "solutions")
     answers.ran.clear()
     with WorkerPool(2, timeout_s=60) as pool:
         if fail:                                   # a failed task closes the pool: its record still arrives

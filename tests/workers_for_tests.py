@@ -87,7 +87,10 @@ def asks_for_exercise(ctx, numbers: list[str], fail: bool = False):
     """Rank r asks toyllm for Exercise ``numbers[r]`` (as the engine's kernels and steps do), then raises if ``fail``."""
     from toyllm import answers
 
-    answers.exercise(numbers[ctx.rank])
+    try:
+        answers.exercise(numbers[ctx.rank])
+    except answers.ExerciseNotWritten:      # the student edition's stubs: asked for all the same
+        pass
     if fail:
         raise RuntimeError(f"rank {ctx.rank} fails after asking for {numbers[ctx.rank]}")
     return ctx.rank
