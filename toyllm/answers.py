@@ -40,7 +40,8 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
-from .course import ANSWERS_ENV, GRADED_TESTS_RUN, file_stamp, lesson_module, load_exercise, solutions_dir  # noqa: F401
+from .course import (ANSWERS_ENV, COURSE_ENV, GRADED_TESTS_RUN, IMPL_ENV, SANDBOX_ENV,  # noqa: F401
+                     file_stamp, lesson_module, load_exercise, solutions_dir)
 from .stubs import exercise_functions, model_answer_source, stub_exercises
 
 # Which implementation the marked functions call: "instructor" runs the model answers of solutions/,
@@ -114,7 +115,7 @@ def shortcut(*numbers: str, student: str | None = None):
 
 
 # The variables that decide which file answers an exercise (toyllm.course reads them).
-_CHOICE_ENV = ("TOYLLM_IMPL", "TOYLLM_ANSWERS", "TOYLLM_COURSE_DIR", "TOYLLM_GRADE_SANDBOX")
+_CHOICE_ENV = (IMPL_ENV, ANSWERS_ENV, COURSE_ENV, SANDBOX_ENV)
 _found: dict[tuple, list] = {}     # choice -> [file, its stamp, the function, time.monotonic() of the last check]
 # Seconds a found function is trusted before its file's stamp is read again. A stat is a system call
 # (microseconds on a VM), and the dense kernel asks for Exercise 2.1 on every layer of every decode
