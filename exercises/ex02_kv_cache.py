@@ -24,6 +24,7 @@ import math
 import torch
 
 from toyllm.cache import DynamicKVCache
+from toyllm.model import causal_mask
 
 
 def attention_with_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -38,7 +39,8 @@ def attention_with_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_pos: (T,) absolute positions of the queries; k_pos: (S,) of the keys.
         A decode step has T = 1 and q_pos = [S - 1]; a chunked prefill has
         q_pos starting at an offset (the tokens already cached).
-    A query at position p may only see keys at positions <= p.
+    A query at position p may only see keys at positions <= p
+    (``toyllm.model.causal_mask(q_pos, k_pos)`` is that mask, as in section 2).
     Returns softmax(q k^T / sqrt(D), masked) v of shape (B, H, T, D), computed
     densely: every dot product first, then the mask (-inf), then softmax.
     Plug it into a model with ``model.set_attention(attention_with_offset)``.

@@ -22,6 +22,8 @@ from __future__ import annotations
 import itertools
 import math
 
+from toyllm.partition import chunks_from_boundaries
+
 
 def search_boundary(cost, context: int, min_stride: int = 1) -> list[int]:
     """Exercise 6.1 (3 points): the best split of ``context`` tokens between two processes.

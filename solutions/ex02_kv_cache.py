@@ -24,6 +24,7 @@ import math
 import torch
 
 from toyllm.cache import DynamicKVCache
+from toyllm.model import causal_mask
 
 
 def attention_with_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -38,15 +39,16 @@ def attention_with_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_pos: (T,) absolute positions of the queries; k_pos: (S,) of the keys.
         A decode step has T = 1 and q_pos = [S - 1]; a chunked prefill has
         q_pos starting at an offset (the tokens already cached).
-    A query at position p may only see keys at positions <= p.
+    A query at position p may only see keys at positions <= p
+    (``toyllm.model.causal_mask(q_pos, k_pos)`` is that mask, as in section 2).
     Returns softmax(q k^T / sqrt(D), masked) v of shape (B, H, T, D), computed
     densely: every dot product first, then the mask (-inf), then softmax.
     Plug it into a model with ``model.set_attention(attention_with_offset)``.
     """
-    # BEGIN SOLUTION 2.1 hint: scores = q @ k.transpose(-2, -1) / sqrt(D); a key is visible when k_pos[None, :] <= q_pos[:, None]; fill the others with -inf; softmax over the last dim; times v
+    # BEGIN SOLUTION 2.1 hint: scale the scores by 1/sqrt(D); causal_mask(q_pos, k_pos) says which keys each query sees; fill the others with -inf with masked_fill; softmax over the last dim; times v
     # idea: score every query against every key, hide the keys whose position is after the query's, normalise the scores per query, then mix the values
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])          # (B, H, T, S)
-    visible = k_pos[None, :] <= q_pos[:, None]                          # (T, S), broadcast over B and H
+    visible = causal_mask(q_pos, k_pos)                                 # (T, S), broadcast over B and H
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v                            # (B, H, T, D)
     # END SOLUTION

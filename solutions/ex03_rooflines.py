@@ -108,7 +108,7 @@ def step_time_s(param_bytes: float, kv_bytes_per_seq: float, batch: int, hbm_ban
     Returns seconds as a float (no rounding).
     Raises ValueError for a negative batch or a non-positive bandwidth or peak_flops.
     """
-    # BEGIN SOLUTION 3.4 hint: batch * kv / bandwidth + max(2 * batch * param_count / peak_flops, param_bytes / bandwidth)
+    # BEGIN SOLUTION 3.4 hint: attention: every cache read once at the bandwidth; matmuls: the longer of their arithmetic (2 * batch * param_count FLOPs at peak) and loading the weights; add the two
     # idea: attention stays memory-bound; the matmuls take whichever is longer, loading the weights or doing the arithmetic
     if batch < 0:
         raise ValueError(f"batch must be >= 0, got {batch}")

@@ -22,6 +22,8 @@ from __future__ import annotations
 import itertools
 import math
 
+from toyllm.partition import chunks_from_boundaries
+
 
 def search_boundary(cost, context: int, min_stride: int = 1) -> list[int]:
     """Exercise 6.1 (3 points): the best split of ``context`` tokens between two processes.
@@ -98,7 +100,7 @@ def grid_search(cost, context: int, world_size: int, stride: int, min_stride: in
 
     def f(bounds: tuple) -> float:
         if bounds not in seen:
-            seen[bounds] = cost([hi - lo for lo, hi in zip(bounds, bounds[1:])])
+            seen[bounds] = cost(chunks_from_boundaries(bounds))
         return seen[bounds]
 
     best = (0, *(j * context // p for j in range(1, p)), context)
@@ -112,7 +114,7 @@ def grid_search(cost, context: int, world_size: int, stride: int, min_stride: in
         if stride <= min_stride:
             break
         stride = max(min_stride, stride // 2)
-    return [hi - lo for lo, hi in zip(best, best[1:])]
+    return chunks_from_boundaries(best)
     # END SOLUTION
 
 

@@ -144,6 +144,29 @@ def test_statements_below_the_threshold_do_not_count(tmp_path):
     assert max(sizes) < edition.SUBSTANTIAL_NODES <= edition._size(ast.parse(PLANTED).body[0])
 
 
+def test_the_value_of_an_answer_line_is_found_as_a_return_or_after_prose(tmp_path):
+    """``return <expr>`` holds the answer's ``x = <expr>`` (and a hint's "... when <expr>" too), names changed."""
+    value = PLANTED.split(" = ", 1)[1]
+    (tmp_path / "lib.py").write_text(f"def share(n_tokens, weights, whole):\n    return {value}\n")
+    found = edition.find_answers(tmp_path, edition.answer_texts(ROOT))
+    assert found == ["Exercise 6.3 (solutions/ex06_partition_search.py) in lib.py:2"], found
+    index = edition.answer_index(edition.answer_texts(ROOT))
+    assert any(edition.answer_statements_in(snippet, index)
+               for snippet in edition._hint_snippets(f"each share is {value}"))
+
+
+def test_every_shortcut_says_what_the_edition_holds_in_its_place():
+    """A shortcut's body either becomes a call of the student's exercise (student=) or says why it ships."""
+    shortcuts = [m for m in answers.scan() if m.kind == "shortcut"]
+    assert len(shortcuts) > 30
+    for mark in shortcuts:
+        assert bool(mark.student) != bool(mark.ships), mark.spec
+        assert not mark.ships or len(mark.ships.split()) >= 5, f"{mark.spec}: say why it ships, in words"
+    for kwargs in ({}, {"student": "f", "ships": "because it is only a fused kernel call"}):
+        with pytest.raises(ValueError, match="either student= .* or ships="):
+            answers.shortcut("2.1", **kwargs)
+
+
 def test_no_code_hint_is_an_answer_statement():
     assert edition.answers_in_hints(ROOT) == []
     # the check can fail: a hint that spells out one line of 6.3

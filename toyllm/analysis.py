@@ -103,7 +103,8 @@ def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, tokens: int,
     return exercise("2.2")(n_layers, n_kv_heads, head_dim, tokens, bytes_per_value, batch)
 
 
-@shortcut("2.2")
+@shortcut("2.2",
+          ships="calls kv_cache_bytes, Exercise 2.2's entry: the edition runs the student's answer here")
 def kv_bytes_per_token(cfg: ModelConfig, bytes_per_value: float) -> int | float:
     """KV-cache bytes one token adds over all layers of ``cfg`` (4 for toyllm's float32, 2 for bf16)."""
     return kv_cache_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 1, bytes_per_value)
@@ -131,13 +132,15 @@ def static_kv_buffer_bytes(n_layers: int, n_kv_heads: int, head_dim: int, max_se
 
 # --------------------------------------------------------------------------- arithmetic intensity
 
-@shortcut("3.1")
+@shortcut("3.1",
+          ships="2BDF, the count lesson 03 states before Exercise 3.1 asks for the ratio")
 def matmul_flops(B: int, D: int, F: int) -> int:
     """FLOPs of a [B, D] x [D, F] matmul: 2 * B * D * F (a multiply and an add per term)."""
     return 2 * B * D * F
 
 
-@shortcut("3.1")
+@shortcut("3.1",
+          ships="BD + DF + BF values, the traffic lesson 03 states before Exercise 3.1")
 def matmul_bytes(B: int, D: int, F: int, bytes_per_value: float = 2) -> float:
     """Bytes a [B, D] x [D, F] matmul moves: read both inputs, write the [B, F] output."""
     return bytes_per_value * (B * D + D * F + B * F)
@@ -149,7 +152,8 @@ def matmul_intensity(B: int, D: int, F: int, bytes_per_value: float = 2) -> floa
     return exercise("3.1")(B, D, F, bytes_per_value)
 
 
-@shortcut("3.2")
+@shortcut("3.2",
+          ships="the count lesson 03 states before Exercise 3.2")
 def attention_flops(S: int, T: int, head_dim: int, batch: int = 1, *, group: int = 1) -> int:
     """FLOPs of attention of ``group`` query heads sharing one K/V head, T queries over S keys each.
 
@@ -159,7 +163,8 @@ def attention_flops(S: int, T: int, head_dim: int, batch: int = 1, *, group: int
     return 4 * batch * group * S * T * head_dim
 
 
-@shortcut("3.2")
+@shortcut("3.2",
+          ships="the traffic lesson 03 states before Exercise 3.2, with GQA and the dense kernel's scores besides")
 def attention_bytes(S: int, T: int, head_dim: int, bytes_per_value: float = 2, batch: int = 1, *,
                     group: int = 1, kernel: str = "fused") -> float:
     """Bytes one K/V head's attention moves for its ``group`` query heads (1: plain multi-head attention).
@@ -183,7 +188,9 @@ def attention_bytes(S: int, T: int, head_dim: int, bytes_per_value: float = 2, b
     return bytes_per_value * batch * values
 
 
-@shortcut("3.2")
+@shortcut("3.2",
+          ships="the ratio of the two counts above, for any GQA group and kernel; lesson 03 states ST/(S+T) before "
+                "Exercise 3.2")
 def attention_intensity(S: int, T: int, head_dim: int | None = None, *, group: int = 1, kernel: str = "fused",
                         bytes_per_value: float = 2) -> float:
     """FLOPs per byte of attention, T queries over S keys, ``group`` query heads per K/V head.
@@ -228,7 +235,9 @@ def crossing_batch(D: int, F: int, peak_flops: float, bandwidth_bytes_per_s: flo
     return max(1, math.ceil(ridge * bytes_per_value * D * F / spare))
 
 
-@shortcut("3.4")
+@shortcut("3.4",
+          ships="the roofline, max(compute time, memory time), which lesson 03 states and draws before Exercise "
+                "3.4")
 def roofline_time_s(flops: float, bytes_moved: float, peak_flops: float, bandwidth_bytes_per_s: float) -> float:
     """Lower bound on an operation's time (seconds) if compute and memory traffic overlap perfectly."""
     return max(flops / peak_flops, bytes_moved / bandwidth_bytes_per_s)
@@ -307,7 +316,8 @@ def step_time_s(param_bytes: float, kv_bytes_per_seq: float, batch: int, hbm_ban
     return exercise("3.4")(param_bytes, kv_bytes_per_seq, batch, hbm_bandwidth_bytes_per_s, param_count, peak_flops)
 
 
-@shortcut("3.4")
+@shortcut("3.4",
+          ships="calls step_time_s, Exercise 3.4's entry: the edition runs the student's answer here")
 def pop_quiz_step_times_s(batches=(4, 256)) -> dict[int, float]:
     """The chapter's pop quiz: 30B int8 model, 8192-token contexts, 100 kB/token KV, TPU v5e 4x4.
 
@@ -327,7 +337,8 @@ def max_batch_size(param_bytes: float, kv_bytes_per_seq: float, hbm_bytes: float
     return exercise("3.6")(param_bytes, kv_bytes_per_seq, hbm_bytes)
 
 
-@shortcut("3.3", "3.5", "3.6")
+@shortcut("3.3", "3.5", "3.6",
+          ships="calls min_step_time_s, Exercise 3.3's entry, for the chapter's table that lesson 03 prints")
 def llama2_13b_table(batch_sizes=(1, 8, 16, 32, 64, 240), n_kv_heads: int = 40, rounded: bool = True,
                      hardware: HardwareSpec = TPU_V5E_X8) -> list[dict]:
     """The chapter's LLaMA-2-13B decode table on 8x TPU v5e, one dict per batch size.

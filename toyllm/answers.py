@@ -66,6 +66,7 @@ class Mark:
     feature: str = ""          # what needs it, in words ("KV-Runahead"): answers only
     function: str = ""         # the exercise's function name: answers only
     student: str = ""          # shortcuts only: what the student edition's body calls instead (see ``shortcut``)
+    ships: str = ""            # shortcuts only: why the body ships in the student edition as it is
     path: Path | None = None
     lines: tuple[int, int] = (0, 0)    # first and last line of the definition, decorators included
 
@@ -98,16 +99,29 @@ def answer(number: str, feature: str, function: str | None = None, also: tuple[s
     return mark
 
 
-def shortcut(*numbers: str, student: str | None = None):
+def shortcut(*numbers: str, student: str | None = None, ships: str | None = None):
     """Mark a library function that does the work of these exercises another way (forbidden while grading them).
 
+    Every shortcut says what the student edition holds in its place, one of:
+
     student: where the function holds an exercise's algorithm, the name of a
-    function beside it, with the same parameters, that gets the result from
-    the exercise (``exercise("6.2")(...)``) instead; the student edition's
-    builder makes the marked function's body one call of it, so the edition
-    holds no copy of the algorithm and the library runs the student's code.
+        function beside it, with the same parameters, that gets the result
+        from the exercise (``exercise("6.2")(...)``) instead; the edition's
+        builder makes the marked function's body one call of it, so the
+        edition holds no copy of the algorithm and the library runs the
+        student's code.
+    ships: why the body may ship as it is, in words a reviewer can check:
+        it calls the exercise's own entry (so the edition runs the student's
+        answer there), or it is a formula the lesson's text states before
+        the exercise, or it does the work a way the exercise does not teach
+        (PyTorch's fused kernel, the engine's batched loop). The edition's
+        answer check still holds every shipped body to the rule that no
+        statement of a model answer appears in it.
     """
     _check_numbers(numbers)
+    if (student is None) == (ships is None):
+        raise ValueError(f"a shortcut for {', '.join(numbers)} names either student= (the edition calls the "
+                         f"exercise) or ships= (why the body may ship), not {'both' if student else 'neither'}")
 
     def mark(fn):
         return fn
@@ -331,7 +345,8 @@ def _marks_in(body, module: str, prefix: str, path: Path) -> list[Mark]:
                 out.append(Mark("answer", (number, *kw.get("also", ())), feature=feature, function=function,
                                 **common))
             else:
-                out.append(Mark("shortcut", tuple(args), student=kw.get("student") or "", **common))
+                out.append(Mark("shortcut", tuple(args), student=kw.get("student") or "", ships=kw.get("ships") or "",
+                                **common))
         if isinstance(node, ast.ClassDef):
             out += _marks_in(node.body, module, qualname + ".", path)
     return out

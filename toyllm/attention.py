@@ -59,9 +59,12 @@ def group_queries(q: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
     return q.reshape(B, n_kv_heads, (H // n_kv_heads) * T, D)
 
 
-@shortcut("2.1")
 def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-    """Boolean (T, S) mask: query at position p may see keys at positions <= p."""
+    """Boolean (T, S) mask: query at position p may see keys at positions <= p.
+
+    Lesson 02 builds its masks with this before Exercise 2.1, which may use
+    it too: the exercise is the attention around the mask.
+    """
     return k_pos[None, :] <= q_pos[:, None]
 
 
@@ -103,7 +106,9 @@ def for_one_pass(kernel: AttentionFn) -> AttentionFn:
     return handles_gqa(functools.partial(_dense_with, exercise("2.1")))
 
 
-@shortcut("2.1")
+@shortcut("2.1",
+          ships="one call of PyTorch's fused kernel: Exercise 2.1 writes the scores, the mask and the softmax "
+                "itself")
 @handles_gqa
 def sdpa_attention(q, k, v, q_pos, k_pos):
     """PyTorch's fused kernel. With a plain causal square it may skip the masked half."""
@@ -154,7 +159,9 @@ def skips_masked(fn: AttentionFn) -> AttentionFn:
     return fn
 
 
-@shortcut("2.1")
+@shortcut("2.1",
+          ships="online softmax over blocks of keys, a route Exercise 2.1 does not take (it asks for the dense "
+                "scores)")
 @skips_masked
 @handles_gqa
 def blockwise_attention(q, k, v, q_pos, k_pos, block: int = 256):
@@ -225,7 +232,8 @@ def _plain(q, k, v, causal: bool):
     return torch.exp(scores - lse[..., None]) @ v, lse
 
 
-@shortcut("2.1")
+@shortcut("2.1",
+          ships="PyTorch's fused kernels and their log-sum-exps, not Exercise 2.1's dense route")
 def attention_with_lse(q, k, v, causal: bool = False):
     """Attention of q (B, H, T, D) over k, v with as many heads, and each row's log-sum-exp (B, H, T).
 
@@ -252,7 +260,9 @@ def _contiguous(pos: torch.Tensor) -> bool:
     return len(pos) > 0 and bool((pos.diff() == 1).all())
 
 
-@shortcut("2.1")
+@shortcut("2.1",
+          ships="fused kernels on a prefix and a causal square merged by log-sum-exps, not Exercise 2.1's dense "
+                "route")
 @skips_masked
 @handles_gqa
 def causal_attention(q, k, v, q_pos, k_pos):

@@ -219,7 +219,8 @@ class StaticKVCache:
         self.copied_rows = 0
 
     @classmethod
-    @shortcut("2.3")
+    @shortcut("2.3",
+              ships="sizes a buffer in tokens; its bytes, what Exercise 2.3 computes, are not in it")
     def for_model(cls, cfg: ModelConfig, max_tokens: int, reserve: float = 2.0, batch: int = 1, **kw) -> "StaticKVCache":
         """A cache for sequences of up to ``max_tokens`` tokens (S), holding S-1 of them."""
         if max_tokens < 2:

@@ -73,7 +73,10 @@ def sample_next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int
     return exercise("1.2")(logits, temperature, top_k, top_p, generator)
 
 
-@shortcut("1.1")                # at temperature 0 it is the greedy pick of Exercise 1.1
+# at temperature 0 it is the greedy pick of Exercise 1.1
+@shortcut("1.1",
+          ships="a greedy batch is one torch.argmax, the call lesson 01 names; a sampled row calls "
+                "sample_next_token, Exercise 1.2's entry")
 def sample_next_tokens(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
                        top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
     """``sample_next_token`` for a batch: logits (B, vocab) -> token ids (B,), each row on its own.
@@ -89,7 +92,9 @@ def sample_next_tokens(logits: torch.Tensor, temperature: float = 0.0, top_k: in
 
 # --------------------------------------------------------------------------- the two building blocks of cached generation
 
-@shortcut("1.3", "2.4")
+@shortcut("1.3", "2.4",
+          ships="one call of the engine's batched prefill; the one-sequence loops of Exercises 1.3 and 2.4 are not "
+                "in it")
 @torch.no_grad()
 def prefill(model, ids: torch.Tensor, cache) -> torch.Tensor:
     """Run prompt ids (1, T) through the model after what ``cache`` holds; returns the last logits (vocab,).
@@ -105,7 +110,8 @@ def _prefill_batch(model, ids: torch.Tensor, cache) -> torch.Tensor:
     return model(ids, input_pos=cache.length, cache=cache, last_only=True)[:, -1]
 
 
-@shortcut("1.3", "2.4")
+@shortcut("1.3", "2.4",
+          ships="one call of the engine's batched decode step; the loops of Exercises 1.3 and 2.4 are not in it")
 @torch.no_grad()
 def decode_step(model, token: int, cache) -> torch.Tensor:
     """Feed one new token at position ``cache.length``; returns its logits (vocab,)."""
@@ -189,7 +195,9 @@ def _check_request(model, prompts, max_new_tokens, method, cache, prefilled_logi
                              f"has {cache.free_tokens}")
 
 
-@shortcut("1.1", "1.2", "1.3", "2.4")
+@shortcut("1.1", "1.2", "1.3", "2.4",
+          ships="the engine's batched loop (caches, stopping, streaming, sampling by sample_next_token); the "
+                "exercises write the one-sequence loops")
 @torch.inference_mode()
 def generate(model, prompt_ids: list[int] | list[list[int]], max_new_tokens: int = 32, *, method: str = "cached",
              cache: str | KVCache = "static", temperature: float = 0.0,

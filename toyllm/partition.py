@@ -207,7 +207,9 @@ def _check_method(method: str) -> str:
     return method
 
 
-@shortcut("4.1", "4.3", "5.3")
+@shortcut("4.1", "4.3", "5.3",
+          ships="the counts lesson 04 and 05 state (c_i * C, c_i * (s_i + c_i)) before the exercises put them in "
+                "code")
 def dot_products(chunks: Sequence[int], method: str) -> list[int]:
     """Query-key dot products per rank and per layer and head, with dense attention.
 
@@ -224,7 +226,8 @@ def dot_products(chunks: Sequence[int], method: str) -> list[int]:
     return [c * (s + c) for c, s in zip(chunks, prefixes(chunks))]
 
 
-@shortcut("4.3", "5.3")
+@shortcut("4.3", "5.3",
+          ships="the row counts lesson 04 and 05 state before the exercises turn them into bytes")
 def kv_rows_sent(chunks: Sequence[int], method: str) -> list[int]:
     """Rows of K plus rows of V each rank puts on the network, per layer.
 
@@ -249,7 +252,8 @@ def net_tsp(context: int, world_size: int) -> int:
     return (p - 1) * C
 
 
-@shortcut("5.3")
+@shortcut("5.3",
+          ships="the paper's closed form (p - 1) * C / 2, which lesson 05 states")
 def net_kvr_even(context: int, world_size: int) -> float:
     """Paper's Net_kvr for an even split: ``C/p + 2C/p + ... + (p-1)C/p = (p-1) * C / 2`` rows of one tensor.
 
@@ -484,7 +488,8 @@ def _grid_search_by_exercise(cost: CostFn, context: int, world_size: int, stride
     return f.result(boundaries_from_chunks(chunks))
 
 
-@shortcut("6.1", "6.2")
+@shortcut("6.1", "6.2",
+          ships="tries every partition: the brute force Exercises 6.1 and 6.2 replace")
 def exhaustive_search(cost: CostFn, context: int, world_size: int, stride: int = 1) -> SearchResult:
     """Try every partition whose inner boundaries are multiples of ``stride``: the slow reference.
 
@@ -504,7 +509,8 @@ def exhaustive_search(cost: CostFn, context: int, world_size: int, stride: int =
     return f.result(best)
 
 
-@shortcut("6.1", "6.2")
+@shortcut("6.1", "6.2",
+          ships="picks a search; the searches it calls run the student's 6.1 and 6.2 in the edition")
 def search_partition(cost: CostFn, context: int, world_size: int, min_stride: int | None = None,
                      span: int | None = None, progress: bool = False) -> SearchResult:
     """The search to use for ``world_size`` processes: the 1-D boundary search for 2, the grid search above.

@@ -18,7 +18,8 @@ from .checks import check_int
 from .partition import align_boundaries, partition_from_ratios, validate_partition
 
 
-@shortcut("6.3")
+@shortcut("6.3",
+          ships="stores partitions and calls partition_from_ratios, which runs the student's 6.3 in the edition")
 class PartitionTable:
     """Best partitions per context length, for one number of processes (the paper's KVR-P).
 

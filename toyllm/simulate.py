@@ -192,7 +192,9 @@ class CostModel:
         return n_bytes / self.allgather_bandwidth_bytes_per_s * slowdown + self.allgather_latency_s
 
     @classmethod
-    @shortcut("6.4")
+    @shortcut("6.4",
+              ships="times a Block and fits the simulator's own features with numpy (toyllm.cost_fit), not Exercise "
+                    "6.4's three-term fit")
     def calibrate(cls, cfg: ModelConfig, contexts: Sequence[int] = (256, 512, 1024), threads: int = 1,
                   repeats: int = 3, attention="dense", link_bandwidth_bytes_per_s: float = 3e9,
                   link_latency_s: float = 50e-6, seed: int = 0) -> "CostModel":
@@ -405,7 +407,8 @@ def _noise_fn(link_noise) -> LinkNoise:
                      f"got {link_noise!r}")
 
 
-@shortcut("7.3")
+@shortcut("7.3",
+          ships="dispatches to the timelines lessons 06 and 07 draw; Exercise 7.3 asks for the TTFT alone")
 def simulate_prefill(cfg: ModelConfig, chunks: Sequence[int], method: str, cost_model: CostModel,
                      overlap: bool = True, link_noise: float | LinkNoise | None = None,
                      record_events: bool = True) -> SimResult:
@@ -437,7 +440,10 @@ def simulate_prefill(cfg: ModelConfig, chunks: Sequence[int], method: str, cost_
     return SimResult(finish[-1], finish, events or [], method, list(chunks))
 
 
-@shortcut("7.3")          # the KV-Runahead timing itself: off limits to Exercise 7.3 like simulate_prefill
+# the KV-Runahead timing itself: off limits to Exercise 7.3 like simulate_prefill
+@shortcut("7.3",
+          ships="the event-recording, roofline-charged timeline lessons 06 and 07 draw; Exercise 7.3's text states "
+                "its steps and asks for the TTFT alone")
 def _simulate_kvr(cfg, chunks, cm: CostModel, overlap: bool, noise: LinkNoise, events) -> list[float]:
     p, L = len(chunks), cfg.n_layers
     row_bytes = cfg.n_kv_heads * cfg.head_dim * cm.bytes_per_value     # one token's K (or V) in one layer
@@ -500,7 +506,8 @@ def _simulate_tsp(cfg, chunks, cm: CostModel, noise: LinkNoise, events) -> list[
 
 # --------------------------------------------------------------------------- glue for searches and lessons
 
-@shortcut("7.3")
+@shortcut("7.3",
+          ships="wraps simulate_prefill as a search's cost function")
 def ttft_cost(cfg: ModelConfig, cost_model: CostModel, method: str = "kvr", overlap: bool = True,
               link_noise: float | LinkNoise | None = None) -> Callable[[list[int]], float]:
     """``cost(chunks) -> simulated TTFT in seconds``, ready for the searches in ``toyllm.partition``.
@@ -515,7 +522,8 @@ def ttft_cost(cfg: ModelConfig, cost_model: CostModel, method: str = "kvr", over
     return cost
 
 
-@shortcut("7.3")
+@shortcut("7.3",
+          ships="runs the simulator and the searches for every method")
 def compare_methods(cfg: ModelConfig, context: int, world_size: int, cost_model: CostModel,
                     min_stride: int | None = None, span: int | None = None,
                     link_noise: float | LinkNoise | None = None) -> dict:

@@ -401,7 +401,7 @@ class PartitionExplorer(_Explorer):
         self.update()
 
     def update(self) -> None:
-        from .partition import even_partition
+        from .partition import chunks_from_boundaries, even_partition
         from .simulate import simulate_prefill
 
         bounds = [0, *(s.value for s in self.sliders), self.context]
@@ -409,7 +409,7 @@ class PartitionExplorer(_Explorer):
             self.chunks = self.result = self.ttft_s = None
             self.text.value = "the boundaries must increase from left to right: every rank needs at least one token"
             return
-        self.chunks = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+        self.chunks = chunks_from_boundaries(bounds)
         self.result = simulate_prefill(self.cfg, self.chunks, "kvr", self.cost_model)
         self.ttft_s = self.result.ttft_s
         self.even_ttft_s = simulate_prefill(self.cfg, even_partition(self.context, len(self.chunks)), "kvr",
@@ -446,7 +446,7 @@ class NetworkExplorer(_Explorer):
         self.update()
 
     def update(self) -> None:
-        from .partition import even_partition
+        from .partition import chunks_from_boundaries, even_partition
         from .simulate import simulate_prefill
 
         cm = self.cost_model.with_link(self.bandwidth.value * 1e9)

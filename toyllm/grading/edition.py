@@ -72,6 +72,8 @@ SUBSTANTIAL_NODES = 10
 # a guard (``if p < 1: raise ...``) or a signature, which the stubs keep.
 _HEADERS = (ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith)
 _BUILTINS = frozenset(dir(builtins))
+# Statements whose value is compared on its own as well as whole (see ``answer_texts``).
+_VALUED = (ast.Return, ast.Assign, ast.AugAssign, ast.AnnAssign)
 
 
 def _normalise(stmt: ast.stmt) -> str:
@@ -158,7 +160,7 @@ def answer_texts(root: Path | None = None) -> list[AnswerText]:
                     # the value of a return or an assignment on its own too: a notebook cell (or a hint)
                     # that shows ``2 * B * D * F / (...)`` holds the answer as much as ``return`` does
                     value = getattr(stmt, "value", None)
-                    if isinstance(stmt, (ast.Return, ast.Assign, ast.AugAssign)) and value is not None:
+                    if isinstance(stmt, _VALUED) and value is not None:
                         alone = ast.Expr(value)
                         if _size(alone) >= SUBSTANTIAL_NODES:
                             out.append(AnswerText(label, _normalise(alone)))
@@ -205,11 +207,19 @@ def answer_statements_in(source: str, index: dict[str, str]) -> list[tuple[int, 
     hits = []
     for offset, tree in _parse(source):
         for stmt in _statements(tree):
-            if _size(stmt) >= SUBSTANTIAL_NODES:
-                line = offset + stmt.lineno          # read before _normalise rewrites the statement
-                label = index.get(_normalise(stmt))
-                if label:
-                    hits.append((line, label))
+            if _size(stmt) < SUBSTANTIAL_NODES:
+                continue
+            line = offset + stmt.lineno              # read before _normalise rewrites the statement
+            label = index.get(_normalise(stmt))
+            # the value of a return or an assignment on its own too: ``return <expr>`` in the library holds
+            # the answer's ``mask = <expr>`` as much as a copy of the whole line does
+            value = getattr(stmt, "value", None)
+            if not label and isinstance(stmt, _VALUED) and value is not None:
+                alone = ast.Expr(value)
+                if _size(alone) >= SUBSTANTIAL_NODES:
+                    label = index.get(_normalise(alone))
+            if label:
+                hits.append((line, label))
     return hits
 
 
@@ -234,14 +244,18 @@ def find_answers(folder: Path, texts: list[AnswerText]) -> list[str]:
 
 def _hint_snippets(hint: str) -> list[str]:
     """The pieces of a ``hint:`` text that may be code: each part between semicolons, without a leading
-    label ("each step: ...") or a closing remark in brackets ("(same for v)"), and each of those cut at
-    every ", " (a statement followed by prose)."""
+    label ("each step: ...") or a closing remark in brackets ("(same for v)"), each of those cut at
+    every ", " (a statement followed by prose), and each cut's tails after a word (prose before code)."""
     out = []
     for part in re.split(r";\s*", hint):
         for text in {part, re.sub(r"^[\w ]+:\s+", "", part), re.sub(r"\s+\([^()]*\)$", "", part),
                      re.sub(r"\s+\([^()]*\)$", "", re.sub(r"^[\w ]+:\s+", "", part))}:
             pieces = text.split(", ")
-            out += [", ".join(pieces[:n]) for n in range(len(pieces), 0, -1)]
+            for n in range(len(pieces), 0, -1):
+                snippet = ", ".join(pieces[:n])
+                # and each tail after a word: "a key is visible when <expr>" holds <expr>
+                words = snippet.split(" ")
+                out += [" ".join(words[i:]) for i in range(len(words))]
     return out
 
 

@@ -372,7 +372,8 @@ def _check_step_output(cache: DynamicKVCache, context: int, cfg) -> None:
 
 # --------------------------------------------------------------------------- the public entry points
 
-@shortcut("4.2", "5.1", "5.2")
+@shortcut("4.2", "5.1", "5.2",
+          ships="one forward pass of the model, the reference every parallel method is checked against")
 @torch.no_grad()
 def single_prefill(model, ids: list[int]) -> tuple[torch.Tensor, DynamicKVCache]:
     """The one-process reference: last-position logits (vocab,) and the KV cache of the whole prompt.
@@ -385,7 +386,8 @@ def single_prefill(model, ids: list[int]) -> tuple[torch.Tensor, DynamicKVCache]
     return logits, cache
 
 
-@shortcut("4.2", "5.1", "5.2")
+@shortcut("4.2", "5.1", "5.2",
+          ships="starts the processes; the steps it runs are the marked answers, the student's in the edition")
 def parallel_prefill(spec: ModelSpec | str, ids: list[int], method: str = "kvr", world_size: int = 2,
                      partition: list[int] | None = None, *, overlap: bool = True, balance: str = "none",
                      step: str | Callable | None = None,

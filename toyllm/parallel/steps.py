@@ -51,7 +51,8 @@ def tsp_layer(layer, x, pos: RankPositions, comm, attention):
     return exercise("4.2")(layer, x, pos, comm, attention)
 
 
-@shortcut("4.2", "5.1", "5.2")
+@shortcut("4.2", "5.1", "5.2",
+          ships="calls tsp_layer, Exercise 4.2's entry: the edition runs the student's step here")
 def tsp_trimmed_layer(layer, x, pos: RankPositions, comm, attention):
     """TSP that attends only over the keys its queries can see, [0, s_i + c_i): KVR's work, TSP's traffic.
 
@@ -63,7 +64,8 @@ def tsp_trimmed_layer(layer, x, pos: RankPositions, comm, attention):
     return tsp_layer(layer, x, dataclasses.replace(pos, context=seen), _FirstChunks(comm), attention)
 
 
-@shortcut("4.2", "5.1", "5.2")
+@shortcut("4.2", "5.1", "5.2",
+          ships="calls tsp_layer, Exercise 4.2's entry: the edition runs the student's step here")
 def tsp_zigzag_layer(layer, x, pos: RankPositions, comm, attention):
     """Balanced TSP: rank r holds chunks r and 2p-1-r of 2p, so each rank owns an equal share of the triangle.
 
@@ -121,7 +123,8 @@ def kvr_layer_blocking(layer, x, pos: RankPositions, chain, attention):
 TSP_BALANCES = ("none", "trim", "zigzag")
 
 
-@shortcut("4.2", "5.1", "5.2")
+@shortcut("4.2", "5.1", "5.2",
+          ships="picks among the marked steps and holds none of its own")
 def default_step(method: str, overlap: bool = True, balance: str = "none"):
     """The engine's own step for a method: KVR overlapped or blocking; TSP as in the paper, trimmed or zigzag."""
     if method == "kvr":
