@@ -75,7 +75,7 @@ def test_a_kv_runahead_prefill_ships_its_last_ranks_cache_in_one_message(model, 
     ({"decode_tokens": 0}, "decode_tokens must be an int >= 1"),
     ({"layout": "zip"}, "unknown layout 'zip'"),
     ({"rounds": 0}, "rounds must be an int >= 1"),
-    ({"method": "ring"}, "unknown method 'ring'"),
+    ({"method": "mesh"}, "unknown method 'mesh'"),
 ])
 def test_bad_shipping_requests_are_refused_before_any_process_starts(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -208,7 +208,7 @@ def test_smollm2_kvr_on_two_processes_gives_the_single_process_token(smollm2, po
     (dict(partition=[36.5, 0.5]), "integer"),
     (dict(world_size=0), "world size"),
     (dict(world_size=40), "world size 40 > context 37"),
-    (dict(method="ring"), "unknown method 'ring'"),
+    (dict(method="mesh"), "unknown method 'mesh'"),
     (dict(backend="mpi"), "backend"),
 ])
 def test_bad_requests_fail_before_any_process_starts(kwargs, message):
@@ -244,13 +244,13 @@ def test_a_failed_task_on_a_shared_pool_leaves_the_next_test_a_running_one(pools
     assert pools(2).run(rank_info) and pools(2).world_size == 2
 
 
-@KVR
 @pytest.mark.timeout(180)
-def test_torchrun_runs_the_same_prefill():
+@pytest.mark.parametrize("method", [pytest.param("kvr", marks=KVR), "ring"])
+def test_torchrun_runs_the_same_prefill(method):
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
            f"--master-port={port}", "-m", "toyllm", "prefill", "--model", "tiny", "--context", str(CONTEXT),
-           "--method", "kvr", "--partition", "30,7", "--repeat", "1", "--check", "--json"]
+           "--method", method, "--partition", "30,7", "--repeat", "1", "--check", "--json"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
     assert out.returncode == 0, out.stderr

@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .generation import METHODS as GENERATION_METHODS
     from .launch import BACKENDS
     from .parallel import METHODS as PREFILL_METHODS
-    from .parallel import TSP_BALANCES
+    from .parallel import RING_PASSES, TSP_BALANCES
 
     p = _Parser(prog="python -m toyllm", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -192,16 +192,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="seed of the sampler, 0 to 2**63-1")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
-    f = sub.add_parser("prefill", help="prefill a random prompt on one or several processes (single, tsp, kvr)",
+    f = sub.add_parser("prefill", help="prefill a random prompt on one or several processes (single, tsp, kvr, ring)",
                        description="Run under torchrun too: torchrun --nproc-per-node=P -m toyllm prefill ... "
-                                   "(there without --world-size, --force, --decode, --bandwidth and --balance)")
+                                   "(there without --world-size, --force, --decode, --bandwidth, --balance, "
+                                   "--pass and --cached)")
     f.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model preset")
-    f.add_argument("--context", type=int, required=True, help="prompt length in tokens")
+    f.add_argument("--context", type=int, required=True, help="prompt length in tokens (after any --cached ones)")
     f.add_argument("--method", choices=list(PREFILL_METHODS), default="kvr")
     f.add_argument("--world-size", type=int, default=None, help="number of processes (default 2; single: 1)")
     f.add_argument("--force", action="store_true", help=f"allow more than {MAX_PROCESSES_PER_CORE} processes per core")
     f.add_argument("--balance", choices=list(TSP_BALANCES), default="none",
-                   help="TSP: attend over all keys (none), only visible ones (trim), or zigzag layout")
+                   help="TSP: attend over all keys (none), only visible ones (trim), or zigzag layout; "
+                        "ring: none or zigzag")
+    f.add_argument("--pass", dest="ring_pass", choices=list(RING_PASSES), default=None,
+                   help="ring: what travels round the ring, keys and values (kv, the default) or queries (q)")
+    f.add_argument("--cached", type=int, default=0,
+                   help="ring --pass q: tokens of the prompt already cached on the ranks, before the --context "
+                        "new ones")
     f.add_argument("--partition", type=_int_list, default=None, help="tokens per rank, e.g. 5000,3192")
     f.add_argument("--partition-table", default=None,
                    help="JSON table of searched partitions (KVR-P); default for --method kvr: the table shipped "
@@ -315,6 +322,12 @@ def check_prefill(args) -> dict:
     _check(args.partition is None or args.partition_table is None,
            "give either --partition or --partition-table, not both")
     _check(args.overlap or args.method == "kvr", "--no-overlap applies to --method kvr only")
+    _check(args.cached >= 0, f"--cached must be a number of tokens >= 0, got {args.cached}")
+    _check(args.ring_pass is None or args.method == "ring", f"--pass {args.ring_pass} chooses what ring attention "
+                                                            "sends round: give it with --method ring")
+    _check(args.cached == 0 or (args.method == "ring" and args.ring_pass == "q"),
+           f"--cached {args.cached}: tokens already cached on the ranks are continued by --method ring --pass q "
+           "only")
     if single:
         _check(args.partition is None and args.partition_table is None,
                "--method single has nothing to partition; drop --partition / --partition-table")
@@ -327,6 +340,7 @@ def check_prefill(args) -> dict:
         _check(args.decode == 0, "--decode is not supported under torchrun; run without torchrun to decode")
         _check(args.bandwidth is None, "--bandwidth (a simulated link on one machine) is not supported under torchrun")
         _check(args.balance == "none", "--balance is not supported under torchrun; run without torchrun")
+        _check(args.ring_pass != "q", "--pass q is not supported under torchrun; run without torchrun")
     p = (int(os.environ["WORLD_SIZE"]) if torchrun else args.world_size if args.world_size is not None
          else 1 if single else 2)
     if args.backend not in (None, "auto"):   # nccl needs a GPU per rank of this machine
@@ -347,14 +361,17 @@ def check_prefill(args) -> dict:
             partition_from = (f"the shipped table {shipped_table_path(args.model, args.attention, p).name} "
                               f"(contexts {table.contexts}; --partition or --partition-table to choose your own)")
     spec = ModelSpec(args.model, attention=args.attention)
-    ids = random_prompt(args.context, cfg.vocab_size, args.seed)
+    ids = random_prompt(args.cached + args.context, cfg.vocab_size, args.seed)
     flags = [f"--model {args.model}", f"--context {args.context}", f"--method {args.method}"]
     flags += [f"--world-size {args.world_size}"] if args.world_size is not None else []
     flags += [f"--partition {','.join(map(str, args.partition))}"] if args.partition else []
     flags += [f"--balance {args.balance}"] if args.balance != "none" else []
     flags += [f"--decode {args.decode}"] if args.decode else []
+    flags += [f"--pass {args.ring_pass}"] if args.ring_pass else []
+    flags += [f"--cached {args.cached}"] if args.cached else []
     chunks = _check_request(" ".join(flags), check_prefill_request, spec, ids, args.method, p, partition,
-                            decode_tokens=args.decode, balance=args.balance)
+                            decode_tokens=args.decode, balance=args.balance, ring_pass=args.ring_pass or "kv",
+                            cached=args.cached)
     if not torchrun and not single:
         _check_process_limit(p, args.force)
     link = (LinkModel(args.bandwidth, args.latency, (0, 1) if args.noise else None, args.noise)

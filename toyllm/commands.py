@@ -66,7 +66,8 @@ def cmd_prefill(args, plan: dict) -> int:
     else:
         result = parallel_prefill(spec, ids, args.method, plan["world_size"], plan["partition"], overlap=args.overlap,
                                   balance=args.balance, link=link, repeat=args.repeat, threads_per_rank=args.threads,
-                                  backend=backend, decode_tokens=args.decode, timeout_s=timeout_s)
+                                  backend=backend, decode_tokens=args.decode, timeout_s=timeout_s,
+                                  ring_pass=args.ring_pass or "kv", cached=args.cached)
     allowed = None
     if args.check:
         torch.set_num_threads(args.threads)
@@ -81,6 +82,9 @@ def cmd_prefill(args, plan: dict) -> int:
     sim = " (simulated link: %g GB/s)" % args.bandwidth if link else ""
     print(f"{result.method} prefill of {result.context} tokens on {result.world_size} process(es), partition "
           f"{result.partition}, {result.threads_per_rank} thread(s) each{sim}")
+    if result.ring_pass:
+        print(f"ring pass-{result.ring_pass.upper()}" + (f", continuing {result.cached} tokens cached on the ranks"
+                                                       if result.cached else ""))
     if plan["partition_from"] not in (None, "--partition"):
         print(f"partition from {plan['partition_from']}")
     print(f"TTFT median {result.ttft_s:.4f} s over {len(result.ttft_runs)} run(s); first token {result.first_token}")

@@ -175,7 +175,10 @@ class Attention(nn.Module):
         if group > 1 and not getattr(attention, "handles_gqa", False):
             # grouped-query attention for a kernel that wants H heads: copy each K/V head out to its group
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = attention(q, k, v, q_pos, k_pos)                           # (B, H, T, D)
+        return self.project(attention(q, k, v, q_pos, k_pos))            # (B, H, T, D) in
+
+    def project(self, out):
+        """The heads' outputs (B, H, T, D) back to the model's width (B, T, d_model), through wo."""
         B, H, T, D = out.shape
         return self.wo(out.transpose(1, 2).reshape(B, T, H * D))
 
@@ -211,6 +214,14 @@ class Block(nn.Module):
     def attend(self, q, k, v, q_pos, k_pos, attention: AttentionFn):
         """Step 2: attention output (B, T, d_model) over every key this rank holds."""
         return self.attn.attend(q, k, v, q_pos, k_pos, attention)
+
+    def project(self, heads_out):
+        """Step 2's end alone: the heads' outputs (B, H, T, D) to (B, T, d_model).
+
+        For a parallel step that computes attention itself: ring attention
+        merges partial outputs before this projection.
+        """
+        return self.attn.project(heads_out)
 
     def finish(self, x, attn_out):
         """Step 3: residual add, then the MLP with its residual."""

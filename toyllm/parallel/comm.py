@@ -7,8 +7,12 @@
   and ``send`` block; ``irecv`` posts a receive and returns a handle to
   ``wait()`` on later, ``isend`` queues a send and only waits for the
   previous one to be delivered (one message in flight per link).
+- ``Ring`` (ring attention): every rank sends to rank+1 and receives from
+  rank-1 at once; ``pass_on`` sends the block in hand and posts the receive
+  of the next, ``return_partials`` sends pass-Q's partial outputs straight
+  back to the ranks whose queries they answer.
 
-Both record what they do on the rank's ``Timeline`` (all-gathers, waits,
+All record what they do on the rank's ``Timeline`` (all-gathers, waits,
 sends) and can act out a slower network with a ``LinkModel``, so the
 algorithms in ``toyllm.parallel.steps`` stay free of that bookkeeping. Like
 ring-flash-attention's RingComm, they hide ``send/recv/wait`` behind a few
@@ -78,6 +82,8 @@ class _Comm:
         self.rank, self.chunks, self.world_size = rank, list(chunks), len(chunks)
         self.tl, self.link, self.rng = timeline, link, rng or random.Random(0)
         self.layer: int | None = None      # set by the runner before each layer, for the timeline
+        self._sending: list = []           # requests of the sends in flight
+        self._delivery = 0.0               # their latest modelled delivery time (a perf_counter value; 0: none)
 
     def _hold_until(self, t_perf: float) -> None:
         """Simulated link: hold the data until its modelled arrival time (a perf_counter value)."""
@@ -87,8 +93,22 @@ class _Comm:
             time.sleep(delay)
             self.tl.add("link_delay", t0, self.tl.now(), self.layer)
 
+    def _wait_delivered(self, layer: int | None = None) -> None:
+        """Wait until the sends in flight are delivered, really and (simulated link) by the model."""
+        if not self._sending:
+            return
+        t0 = self.tl.now()
+        for r in self._sending:
+            r.wait()
+        self._sending = []
+        delay = self._delivery - time.perf_counter()
+        if self.link is not None and delay > 0:
+            time.sleep(delay)
+        self.tl.add("send_wait", t0, self.tl.now(), layer)
+
     def drain(self) -> None:
         """Wait for anything still in flight (called once after the last layer)."""
+        self._wait_delivered()
 
 
 class AllGather(_Comm):
@@ -116,7 +136,8 @@ class AllGather(_Comm):
 
 
 class _Incoming:
-    """A posted receive of the prefix; ``wait()`` returns (k, v), each (B, Hkv, s_i, D)."""
+    """A posted receive; ``wait()`` returns what its comm makes of the message (Chain: the prefix's
+    (k, v), each (B, Hkv, s_i, D); Ring: the block's tensors)."""
 
     def __init__(self, chain: "Chain", requests, stamp, buf):
         self.chain, self.requests, self.stamp, self.buf = chain, requests, stamp, buf
@@ -146,8 +167,6 @@ class Chain(_Comm):
         self.send_shape = (batch, n_kv_heads, sum(chunks[:rank + 1]), head_dim)    # the grown prefix
         self.dtype, self.device = dtype, device
         self.has_prev, self.has_next = rank > 0, rank < len(chunks) - 1
-        self._sending: list = []     # requests of the send in flight
-        self._delivery = 0.0         # its modelled delivery time (a perf_counter value; 0: none modelled)
 
     # ---------------------------------------------------------------- receiving
     def _buffers(self):
@@ -218,18 +237,91 @@ class Chain(_Comm):
             self._hold_until(self._delivery)
         self.tl.add("send", t0, self.tl.now(), self.layer)
 
-    def _wait_delivered(self, layer: int | None = None) -> None:
-        """Wait until the send in flight is delivered, really and (simulated link) by the model."""
-        if not self._sending:
-            return
-        t0 = self.tl.now()
-        for r in self._sending:
-            r.wait()
-        self._sending = []
-        delay = self._delivery - time.perf_counter()
-        if self.link is not None and delay > 0:
-            time.sleep(delay)
-        self.tl.add("send_wait", t0, self.tl.now(), layer)
 
-    def drain(self) -> None:
-        self._wait_delivered()
+class Ring(_Comm):
+    """Ring attention's links: every rank sends to rank+1 and receives from rank-1, all at once.
+
+    At ring step s rank r holds the block that started on rank (r - s) mod p
+    (``origin``); ``pass_on`` sends it on and posts the receive of the next
+    one, whose size the partition gives, so the algorithm computes on the
+    block in hand while the next travels. Pass-Q also sends each partial
+    output straight back to the rank whose queries it answers
+    (``return_partials``). For pass-Q, ``held`` is this rank's shard of the
+    earlier tokens' KV cache (a ``DynamicKVCache``) and ``held_pos`` their positions.
+    """
+
+    def __init__(self, rank: int, chunks: list[int], timeline: Timeline, link: LinkModel | None = None,
+                 rng: random.Random | None = None, held=None, held_pos: torch.Tensor | None = None):
+        super().__init__(rank, chunks, timeline, link, rng)
+        self.next, self.prev = (rank + 1) % self.world_size, (rank - 1) % self.world_size
+        self.held, self.held_pos = held, held_pos
+        self._keep: list = []        # buffers of the sends in flight: they must live until delivered
+
+    def origin(self, step: int) -> int:
+        """The rank whose tokens the block in hand at ring step ``step`` holds."""
+        return (self.rank - step) % self.world_size
+
+    def held_kv(self):
+        """This rank's cached keys, values (B, Hkv, n_r, D) of the current layer and their positions (n_r,)."""
+        k, v = self.held.keys(self.layer), self.held.values(self.layer)
+        return k, v, self.held_pos
+
+    def pass_on(self, step: int, *block: torch.Tensor) -> "_Incoming":
+        """Send ``block`` (tensors of equal shape, tokens on dim -2) to rank+1; receive the next from rank-1.
+
+        Returns the posted receive: ``wait()`` gives the block of the next
+        step's origin as a tuple of as many tensors.
+        """
+        self._wait_delivered(self.layer)      # one block in flight per link: the last one must be delivered
+        t0 = self.tl.now()
+        message = torch.stack(block)                                     # (n, B, heads, c_origin, D): one message
+        shape = (*message.shape[:-2], self.chunks[self.origin(step + 1)], message.shape[-1])
+        incoming = self._receive(shape, message, self.prev)
+        self._post(message, self.next)
+        self.tl.add("send", t0, self.tl.now(), self.layer, f"ring step {step}")
+        return incoming
+
+    def return_partials(self, partials: dict) -> list:
+        """Send partials[o] = (out, lse) to rank o, receive every rank's for this rank's queries.
+
+        out (B, H, c_o, D) and lse (B, H, c_o) travel as one message, lse as
+        an extra column. Returns this rank's (out, lse) pairs, its own first.
+        """
+        self._wait_delivered(self.layer)
+        mine = partials[self.rank]
+        t0 = self.tl.now()
+        packed = torch.cat([mine[0], mine[1][..., None]], dim=-1)[None]   # (1, B, H, c_r, D + 1)
+        incoming = [self._receive(packed.shape, packed, src) for src in range(self.world_size) if src != self.rank]
+        for dst in range(self.world_size):
+            if dst != self.rank:
+                out, lse = partials[dst]
+                self._post(torch.cat([out, lse[..., None]], dim=-1)[None].contiguous(), dst)
+        self.tl.add("send", t0, self.tl.now(), self.layer, "partial outputs")
+        got = [mine]
+        for arriving in incoming:
+            (both,) = arriving.wait()
+            got.append((both[..., :-1], both[..., -1]))
+        return got
+
+    def _receive(self, shape, like: torch.Tensor, src: int) -> "_Incoming":
+        stamp = torch.zeros(1, dtype=torch.float64)      # the modelled delivery time, on the sender's clock
+        buf = torch.empty(shape, dtype=like.dtype, device=like.device)
+        return _Incoming(self, [dist.irecv(stamp, src), dist.irecv(buf, src)], stamp, buf)
+
+    def _post(self, message: torch.Tensor, dst: int) -> None:
+        delivery = time.perf_counter()
+        if self.link is not None:              # one draw per message: the receiver holds it until the same time
+            delivery += self.link.transfer_s(nbytes(message), self.rank, dst, self.rng)
+        self._delivery = max(self._delivery, delivery)
+        stamp = torch.tensor([delivery], dtype=torch.float64)
+        self._keep += [stamp, message]
+        self._sending += [dist.isend(stamp, dst), dist.isend(message, dst)]
+
+    def _wait_delivered(self, layer: int | None = None) -> None:
+        super()._wait_delivered(layer)
+        self._keep = []
+
+    def _arrived(self, stamp, buf):
+        if self.link is not None:
+            self._hold_until(stamp.item())
+        return tuple(buf.unbind(0))

@@ -10,9 +10,6 @@ last position to logits and optionally keep decoding from the cache.
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.machinery
-import importlib.util
 import inspect
 import random
 import statistics
@@ -33,10 +30,12 @@ from ..launch import RankContext, WorkerPool, init_from_env, run_parallel, to_cp
 from ..model import get_config
 from ..partition import even_partition, validate_partition
 from ..timeline import Timeline
-from .comm import AllGather, Chain, LinkModel
+from .comm import AllGather, Chain, LinkModel, Ring
+from .plug import resolve_step, step_reference
+from .ring import check_ring_request, gather_cache, ring_pass_kv_layer, ring_step
 from .steps import TSP_BALANCES, RankPositions, default_step
 
-METHODS = ("single", "tsp", "kvr")
+METHODS = ("single", "tsp", "kvr", "ring")
 
 
 # --------------------------------------------------------------------------- what to run
@@ -75,8 +74,8 @@ def _build_model(spec: ModelSpec):
 class PrefillResult:
     method: str
     world_size: int
-    context: int                           # tokens
-    partition: list[int]                   # tokens per rank
+    context: int                           # tokens, the cached ones included
+    partition: list[int]                   # tokens per rank (the new ones, after any cached)
     threads_per_rank: int
     # TTFT of a run: seconds from the common start (every rank leaves a barrier) until the rank
     # holding the last prompt token (the last rank; rank 0 with zigzag) has the first-token
@@ -90,7 +89,9 @@ class PrefillResult:
     kv_cache: DynamicKVCache | None = field(default=None, repr=False)  # the last rank's, (1, Hkv, C, D) per layer
     decoded: list[int] | None = None       # tokens generated after the prefill (on the last rank)
     overlap: bool = True
-    balance: str = "none"                  # TSP only: "none", "trim" or "zigzag"
+    balance: str = "none"                  # TSP: "none", "trim" or "zigzag"; ring: "none" or "zigzag"
+    ring_pass: str | None = None           # ring only: what travels, "kv" or "q"
+    cached: int = 0                        # ring pass-Q: tokens already in the ranks' caches
     attention: str = "dense"               # the attention kernel every rank used
     link: dict | None = None
     max_abs_logit_diff: float | None = None
@@ -104,8 +105,11 @@ class PrefillResult:
 # --------------------------------------------------------------------------- checking a request (before any process starts)
 
 def check_prefill_request(spec: ModelSpec, ids, method: str, world_size: int, partition=None, *,
-                          decode_tokens: int = 0, balance: str = "none") -> list[int]:
+                          decode_tokens: int = 0, balance: str = "none", ring_pass: str = "kv",
+                          cached: int = 0) -> list[int]:
     """Check everything about a request that can be checked in this process; return the partition.
+
+    The partition shares out the tokens after the ``cached`` first ones (all of them when none is cached).
 
     Raises ValueError naming the parameter, the value and what is allowed.
     """
@@ -130,12 +134,23 @@ def check_prefill_request(spec: ModelSpec, ids, method: str, world_size: int, pa
         raise ValueError(f"world size must be an integer >= 1, got {world_size!r}")
     if method == "single" and world_size != 1:
         raise ValueError(f"method 'single' runs one process; got world size {world_size}")
+    check_int(cached, "cached must be an integer >= 0 (prompt tokens already in the ranks' caches)", 0)
+    if method != "ring" and (cached or ring_pass != "kv"):
+        raise ValueError(f"ring_pass and cached choose how ring attention runs; method {method!r} takes neither "
+                         "(give method='ring')")
+    if cached >= C:
+        raise ValueError(f"cached={cached} leaves no new token of the {C}-token prompt: give cached < {C}")
+    C -= cached                                                   # from here on, the tokens to share out
     if world_size > C:
-        raise ValueError(f"world size {world_size} > context {C}: every rank needs at least one token")
-    if balance not in TSP_BALANCES:
+        what = f"{C} new tokens (after {cached} cached)" if cached else f"context {C}"
+        raise ValueError(f"world size {world_size} > {what}: every rank needs at least one token")
+    if method == "ring":
+        check_ring_request(ring_pass, cached, balance, world_size, C)
+    elif balance not in TSP_BALANCES:
         raise ValueError(f"unknown balance {balance!r}; choose one of {list(TSP_BALANCES)}")
-    if balance != "none" and method != "tsp":
-        raise ValueError(f"balance={balance!r} shares out TSP's work; method {method!r} takes balance='none'")
+    elif balance != "none" and method != "tsp":
+        raise ValueError(f"balance={balance!r} shares out TSP's work (or ring attention's); method {method!r} "
+                         "takes balance='none'")
     if balance == "zigzag":
         if partition is not None:
             raise ValueError("balance='zigzag' makes its own layout (2p equal pieces, rank r holds r and 2p-1-r); "
@@ -143,67 +158,10 @@ def check_prefill_request(spec: ModelSpec, ids, method: str, world_size: int, pa
         if 2 * world_size > C:
             raise ValueError(f"balance='zigzag' cuts the context into 2 x world size = {2 * world_size} pieces, "
                              f"more than its {C} tokens")
-        pieces = even_partition(C, 2 * world_size)
-        return [pieces[r] + pieces[2 * world_size - 1 - r] for r in range(world_size)]
+        return zigzag_chunks(C, world_size)
     if partition is None:
         return even_partition(C, world_size)
     return validate_partition(list(partition), context=C, world_size=world_size)
-
-
-# --------------------------------------------------------------------------- plugging in a step
-
-def step_reference(step: str | Callable | None) -> str | None:
-    """A step as a string every process can import: "package.module:function" or "path/file.py:function".
-
-    Worker processes are started fresh (spawn), so a step travels by name,
-    not by value; this checks in the calling process that the name resolves.
-    """
-    if step is None:
-        return None
-    if isinstance(step, str):
-        ref = step
-    elif callable(step) and getattr(step, "__name__", "<lambda>") != "<lambda>" and "<locals>" not in step.__qualname__:
-        ref = f"{step.__module__}:{step.__qualname__}"
-        # A new process finds the module only if it is on the path (not just registered in
-        # sys.modules, as a module loaded from a file is).
-        importable = importlib.machinery.PathFinder.find_spec(step.__module__.partition(".")[0]) is not None
-        try:
-            same = importable and resolve_step(ref) is step
-        except (ImportError, AttributeError, ValueError):
-            same = False
-        if not same:   # e.g. a module loaded from a file: point at the file instead
-            source = getattr(getattr(step, "__code__", None), "co_filename", "")
-            if not source.endswith(".py") or not Path(source).is_file():
-                raise ValueError(f"step {step!r} cannot be found by a new process; define it at the top level "
-                                 "of a .py file")
-            ref = f"{Path(source).resolve()}:{step.__qualname__}"
-    else:
-        raise ValueError(f"step must be a function defined at the top level of a .py file or a "
-                         f"'module:function' string, got {step!r}")
-    resolve_step(ref)   # fail here, with a clear message, rather than in every worker
-    return ref
-
-
-@functools.lru_cache(maxsize=16)
-def resolve_step(ref: str) -> Callable:
-    """The function a step reference names (see ``step_reference``)."""
-    where, _, name = ref.rpartition(":")
-    if not where or not name:
-        raise ValueError(f"a step reference looks like 'package.module:function' or 'path/file.py:function', got {ref!r}")
-    if where.endswith(".py"):
-        spec = importlib.util.spec_from_file_location(f"_toyllm_step_{abs(hash(where))}", where)
-        if spec is None or not Path(where).is_file():
-            raise ValueError(f"step file {where} does not exist")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(where)
-    fn = module
-    for part in name.split("."):
-        fn = getattr(fn, part, None)
-    if not callable(fn):
-        raise ValueError(f"{where} has no function {name!r}")
-    return fn
 
 
 # --------------------------------------------------------------------------- one rank's work
@@ -222,9 +180,19 @@ class _TimedBlock:
         with self.tl.span("compute", self.layer, "attention"):
             return self.block.attend(*args)
 
+    def project(self, *args):
+        with self.tl.span("compute", self.layer, "out_proj"):
+            return self.block.project(*args)
+
     def finish(self, *args):
         with self.tl.span("compute", self.layer, "mlp"):
             return self.block.finish(*args)
+
+
+def zigzag_chunks(context: int, world_size: int) -> list[int]:
+    """Tokens per rank when rank r holds pieces r and 2p-1-r of 2p equal pieces."""
+    pieces = even_partition(context, 2 * world_size)
+    return [pieces[r] + pieces[2 * world_size - 1 - r] for r in range(world_size)]
 
 
 def token_layout(chunks: list[int], balance: str = "none") -> list[torch.Tensor]:
@@ -241,45 +209,45 @@ def token_layout(chunks: list[int], balance: str = "none") -> list[torch.Tensor]
 @torch.no_grad()
 def prefill_rank(ctx: RankContext, spec: ModelSpec, ids: list[int], method: str, chunks: list[int], *,
                  overlap: bool = True, balance: str = "none", step: str | None = None, link: LinkModel | None = None,
-                 repeat: int = 1, warmup: int = 1, return_cache: bool = False, decode_tokens: int = 0) -> dict:
+                 repeat: int = 1, warmup: int = 1, return_cache: bool = False, decode_tokens: int = 0,
+                 ring_pass: str = "kv", cached: int = 0) -> dict:
     """The worker function: one rank's part of a parallel prefill, run ``warmup + repeat`` times.
 
     Returns this rank's seconds per run (when it finished everything, sends
     included) and timeline; the rank holding the last prompt token (the last
     rank, or rank 0 with zigzag) also returns the first-token logits, when
     they existed in each run (``logits_s``: the TTFT), and optionally its KV
-    cache and the tokens it decodes from that cache.
+    cache and the tokens it decodes from that cache. Ring pass-Q: the first
+    ``cached`` of ``ids`` are already cached on the ranks (a ring pass-KV
+    prefill of them, untimed, puts them there) and ``chunks`` share out the rest.
     """
     model = spec.build().to(ctx.device)
     rank, p = ctx.rank, ctx.world_size
     if len(chunks) != p:
         raise ValueError(f"partition has {len(chunks)} chunks for world size {p}")
-    layer_step = resolve_step(step) if step else default_step(method, overlap, balance)
-    layout = token_layout(chunks, balance)
-    q_pos = layout[rank].to(ctx.device)
-    ids_t = torch.tensor([[ids[i] for i in layout[rank].tolist()]], device=ctx.device)
-    pos = RankPositions(q_pos, model.rope_cos[q_pos], model.rope_sin[q_pos], int(q_pos[0]), sum(chunks),
-                        tuple(t.to(ctx.device) for t in layout))
-    owner = next(r for r, t in enumerate(layout) if int(t[-1]) == sum(chunks) - 1)   # holds the last token
+    if step:
+        layer_step = resolve_step(step)
+    else:
+        layer_step = ring_step(ring_pass) if method == "ring" else default_step(method, overlap, balance)
+    layout = [t + cached for t in token_layout(chunks, balance)]
+    pos, ids_t = _rank_tokens(model, ids, layout, rank, ctx.device)
+    context = cached + sum(chunks)
+    owner = next(r for r, t in enumerate(layout) if int(t[-1]) == context - 1)   # holds the last token
+    held, held_layout = _held_cache(ctx, model, ids[:cached], balance) if cached else (None, [])
     cfg = model.config
     runs, ready, tl = [], [], Timeline(rank)
     for run in range(warmup + repeat):
         rng = random.Random(hash((link.seed if link else 0, run)))   # the same draws on every rank
         if method == "tsp":
             comm = AllGather(rank, chunks, tl, link, rng)
+        elif method == "ring":
+            comm = Ring(rank, chunks, tl, link, rng, held, held_layout[rank].to(ctx.device) if cached else None)
         else:
             comm = Chain(rank, chunks, tl, batch=1, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                          dtype=model.rope_cos.dtype, device=ctx.device, link=link, rng=rng)
-        cache = DynamicKVCache(cfg.n_layers)
         dist.barrier()
         tl.reset()
-        with tl.span("compute", None, "embed"):
-            x = model.embed(ids_t)                                      # (1, c_i, d_model)
-        for i, block in enumerate(model.layers):
-            comm.layer = i
-            x, k, v = _run_step(layer_step, (_TimedBlock(block, tl, i), x, pos, comm, model.attention),
-                                rank, i, method, balance, chunks, cfg)
-            cache.update(i, k, v)
+        x, cache = _layers(model, ids_t, pos, layer_step, comm, tl, method, balance, chunks)
         logits = None
         if rank == owner:
             with tl.span("compute", None, "lm_head"):
@@ -289,9 +257,14 @@ def prefill_rank(ctx: RankContext, spec: ModelSpec, ids: list[int], method: str,
         comm.drain()                                       # this rank's sends still in flight end here
         if run >= warmup:
             runs.append(tl.now())
+    whole = method != "ring"                                # TSP's and KVR's last rank holds the whole cache
+    if not whole and (return_cache or decode_tokens):       # ring: the shards go to the rank that decodes
+        shards = [torch.cat([h, t]) for h, t in zip(held_layout, layout)] if cached else layout
+        cache, whole = gather_cache(cache, [t.to(ctx.device) for t in shards], rank), True
     out = {"rank": rank, "runs_s": runs, "events": tl.to_dicts()}
     if rank == owner:
-        _check_step_output(cache, sum(chunks), cfg)
+        if whole:
+            _check_step_output(cache, context, cfg)
         out["logits"] = logits
         out["logits_s"] = ready
         if return_cache:
@@ -299,6 +272,45 @@ def prefill_rank(ctx: RankContext, spec: ModelSpec, ids: list[int], method: str,
         if decode_tokens:
             out["decoded"] = generate(model, ids, decode_tokens, cache=cache, prefilled_logits=logits).output_ids
     return out
+
+
+def _rank_tokens(model, ids: list[int], layout: list[torch.Tensor], rank: int, device):
+    """This rank's ``RankPositions`` and token ids (1, c_i), from every rank's positions ``layout``."""
+    q_pos = layout[rank].to(device)
+    ids_t = torch.tensor([[ids[i] for i in layout[rank].tolist()]], device=device)
+    pos = RankPositions(q_pos, model.rope_cos[q_pos], model.rope_sin[q_pos], int(q_pos[0]),
+                        int(layout[-1][-1]) + 1, tuple(t.to(device) for t in layout))
+    return pos, ids_t
+
+
+def _layers(model, ids_t, pos, layer_step, comm, tl, method, balance, chunks):
+    """Embed this rank's tokens and run the step on every layer: the last hidden states and this rank's cache."""
+    cfg = model.config
+    cache = DynamicKVCache(cfg.n_layers)
+    with tl.span("compute", None, "embed"):
+        x = model.embed(ids_t)                                          # (1, c_i, d_model)
+    for i, block in enumerate(model.layers):
+        comm.layer = i
+        x, k, v = _run_step(layer_step, (_TimedBlock(block, tl, i), x, pos, comm, model.attention),
+                            comm.rank, i, method, balance, chunks, cfg)
+        cache.update(i, k, v)
+    return x, cache
+
+
+def _held_cache(ctx: RankContext, model, ids: list[int], balance: str):
+    """Ring pass-Q's starting point: this rank's shard of the cache of ``ids``, and every rank's positions.
+
+    As a conversation's earlier turns would leave it: a ring pass-KV
+    prefill of those tokens (untimed), with the same balance.
+    """
+    p = ctx.world_size
+    chunks = zigzag_chunks(len(ids), p) if balance == "zigzag" else even_partition(len(ids), p)
+    layout = token_layout(chunks, balance)
+    pos, ids_t = _rank_tokens(model, ids, layout, ctx.rank, ctx.device)
+    ring = Ring(ctx.rank, chunks, Timeline(ctx.rank))                   # a timeline nobody reads
+    _, cache = _layers(model, ids_t, pos, ring_pass_kv_layer, ring, ring.tl, "ring", balance, chunks)
+    ring.drain()
+    return cache, layout
 
 
 class StepError(RuntimeError):
@@ -390,11 +402,11 @@ def single_prefill(model, ids: list[int]) -> tuple[torch.Tensor, DynamicKVCache]
           ships="starts the processes; the steps it runs are the marked answers, the student's in the edition")
 def parallel_prefill(spec: ModelSpec | str, ids: list[int], method: str = "kvr", world_size: int = 2,
                      partition: list[int] | None = None, *, overlap: bool = True, balance: str = "none",
-                     step: str | Callable | None = None,
+                     step: str | Callable | None = None, ring_pass: str = "kv", cached: int = 0,
                      link: LinkModel | None = None, repeat: int = 1, warmup: int = 1, threads_per_rank: int = 1,
                      backend: str = "auto", return_cache: bool = False, decode_tokens: int = 0,
                      pool: WorkerPool | None = None, timeout_s: float | None = None) -> PrefillResult:
-    """Prefill ``ids`` on ``world_size`` processes with "tsp" or "kvr" (or "single": one process on
+    """Prefill ``ids`` on ``world_size`` processes with "tsp", "kvr" or "ring" (or "single": one process on
     ``threads_per_rank`` threads, this one, or the worker of a one-process ``pool``).
 
     partition: tokens per rank (default: even split). overlap: KVR posts its
@@ -402,7 +414,10 @@ def parallel_prefill(spec: ModelSpec | str, ids: list[int], method: str = "kvr",
     TSP shares out the work: "none" (the paper's baseline: every rank attends
     over all C keys), "trim" (only over the keys its queries can see) or
     "zigzag" (rank r holds pieces r and 2p-1-r of 2p, so every rank owns an
-    equal share of the causal triangle). step: your
+    equal share of the causal triangle); ring takes "none" or "zigzag".
+    ring_pass: what travels round the ring, "kv" (keys and values) or "q"
+    (queries, to continue a prompt whose first ``cached`` tokens are already
+    in the ranks' caches; see ``toyllm.parallel.ring``). step: your
     own per-layer step (see ``toyllm.parallel.steps``) instead of the
     engine's. repeat: timed runs, after ``warmup`` untimed ones, in the same
     processes. pool: reuse a running WorkerPool of the right size instead of
@@ -412,10 +427,10 @@ def parallel_prefill(spec: ModelSpec | str, ids: list[int], method: str = "kvr",
     spec = ModelSpec(spec) if isinstance(spec, str) else spec
     ids = [int(t) if not isinstance(t, bool) and hasattr(t, "__index__") else t for t in ids]
     chunks = check_prefill_request(spec, ids, method, world_size, partition, decode_tokens=decode_tokens,
-                                   balance=balance)
+                                   balance=balance, ring_pass=ring_pass, cached=cached)
     # A kernel or step that is an unwritten exercise stops the run here, in one line, not in every worker.
     get_attention(spec.attention)
-    if step is None and method != "single":
+    if step is None and method in ("tsp", "kvr"):
         default_step(method, overlap, balance)
     if method == "single":
         if step is not None:
@@ -432,6 +447,8 @@ def parallel_prefill(spec: ModelSpec | str, ids: list[int], method: str = "kvr",
         raise ValueError(f"the pool has {pool.world_size} processes but world size is {world_size}")
     kwargs = dict(overlap=overlap, balance=balance, step=step_reference(step), link=link, repeat=repeat,
                   warmup=warmup, return_cache=return_cache, decode_tokens=decode_tokens)
+    if method == "ring":
+        kwargs.update(ring_pass=ring_pass, cached=cached)
     args = (spec, list(ids), method, chunks)
     if pool is not None:
         outs = pool.run(prefill_rank, args, kwargs, timeout_s=timeout_s)
@@ -439,10 +456,11 @@ def parallel_prefill(spec: ModelSpec | str, ids: list[int], method: str = "kvr",
         outs = run_parallel(prefill_rank, world_size, args, kwargs, backend=backend,
                             timeout_s=300.0 if timeout_s is None else timeout_s, threads_per_rank=threads_per_rank)
     return _merge(outs, method=method, chunks=chunks, threads=threads_per_rank, overlap=overlap, link=link,
-                  balance=balance, attention=spec.attention)
+                  balance=balance, attention=spec.attention, ring_pass=ring_pass, cached=cached)
 
 
-def _merge(outs, *, method, chunks, threads, overlap, link, balance="none", attention="dense") -> PrefillResult:
+def _merge(outs, *, method, chunks, threads, overlap, link, balance="none", attention="dense", ring_pass="kv",
+           cached=0) -> PrefillResult:
     # All ranks start together (after a barrier). TTFT of a run: when the rank holding the last
     # prompt token had the first-token logits, the definition the simulator and the lessons use.
     # The slowest rank's end (other ranks finishing their last layer or draining a send) is kept apart.
@@ -450,13 +468,14 @@ def _merge(outs, *, method, chunks, threads, overlap, link, balance="none", atte
     runs = list(last["logits_s"])
     slowest = [max(o["runs_s"][r] for o in outs) for r in range(len(runs))]
     cache = DynamicKVCache.from_layers(last["kv_cache"]) if last.get("kv_cache") else None
-    return PrefillResult(method=method, world_size=len(chunks), context=sum(chunks), partition=list(chunks),
+    return PrefillResult(method=method, world_size=len(chunks), context=cached + sum(chunks), partition=list(chunks),
                          threads_per_rank=threads, ttft_s=statistics.median(runs), ttft_runs=runs,
                          slowest_rank_s=statistics.median(slowest), slowest_rank_runs=slowest,
                          first_token=int(last["logits"].argmax()), logits=last["logits"],
                          timeline=[e for o in outs for e in o["events"]], kv_cache=cache,
                          decoded=last.get("decoded"), overlap=overlap, balance=balance, attention=attention,
-                         link=asdict(link) if link else None)
+                         link=asdict(link) if link else None, cached=cached,
+                         ring_pass=ring_pass if method == "ring" else None)
 
 
 def _single(spec, ids, *, repeat, warmup, threads, return_cache, decode_tokens) -> PrefillResult:
