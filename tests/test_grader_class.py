@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from test_grader import ROOT, make_submission
-from toyllm.grading import autograder
+from toyllm.grading import autograder, gradebook
 from toyllm.grading.gradebook import (CRASHED, GRADED, NO_FILES, TIMED_OUT, Options, Row, _Refused, default_jobs,
                                       find_submissions, grade_one, prepare, read_gradebook, write_gradebook)
 
@@ -169,6 +169,17 @@ def test_the_default_jobs_follow_the_cores_and_the_memory():
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+def test_a_students_grading_process_starts_without_importing_torch():
+    """Each student's grading is a process of its own; torch is for the lesson's pytest process and the sandbox."""
+    cmd = gradebook._command(Path("files"), Path("results.json"), Options(None, None, 20, 4096, 60))
+    assert cmd[1:4] == ["-m", "toyllm.grading", "grade"]
+    probe = "import sys, runpy; sys.argv = ['grade', '--help']\ntry:\n    runpy.run_module('toyllm.grading', " \
+            "run_name='__main__')\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stdout
+
+
 def test_a_grading_that_stops_or_runs_too_long_gets_a_row_that_says_so(tmp_path):
     student = tmp_path / "ann"
     student.mkdir()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import os
 import sys
 import sysconfig
@@ -106,7 +107,7 @@ def exercises_called(reference_source: str, exercise: str) -> set[str]:
 
 _TRUSTED_DIRS = tuple({str(Path(p).resolve()) + os.sep for p in (
     Path(__file__).resolve().parents[1],                          # toyllm
-    Path(importlib.import_module("torch").__file__).resolve().parent,
+    Path(importlib.util.find_spec("torch").origin).resolve().parent,     # found, not imported
     sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"])})
 
 _state = threading.local()

@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
-from . import guard, wire
+from . import guard
 from .. import course
 from ..course import SANDBOX_ENV  # noqa: F401  ("1" in the grader's pytest processes; run.py sets it)
 from ..supervise import become_subreaper, describe_exit, die_with_parent, signal_group
@@ -358,6 +358,9 @@ class Sandbox:
     def _request_started(self, message: dict, what: str, callbacks=None) -> dict:
         """Send ``message``; answer the sandbox's requests for the values of ``callbacks`` ({number: Counted})
         until its reply comes, all within the test's time."""
+        # imported here, not at the top: the grader's parent process imports this module for its isolation
+        # checks and has no use for torch, which the wire format needs
+        from . import wire
         timeout_s = _time_left()       # what is left once the sandbox is up
         deadline = time.monotonic() + timeout_s
         try:
