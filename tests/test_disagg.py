@@ -71,6 +71,16 @@ def test_a_kv_runahead_prefill_ships_its_last_ranks_cache_in_one_message(model, 
     assert r.prefill_ranks == 2 and len(r.prefill_runs) == len(r.transfer_runs) == 1
 
 
+@pytest.mark.needs("8.4")
+@pytest.mark.timeout(180)
+def test_a_ring_prefill_ships_the_shards_gathered_on_its_last_rank(model, reference):
+    logits, _, tokens = reference
+    r = ship_kv_cache(SPEC, IDS, 6, method="ring", prefill_ranks=2, rounds=1, warmup=0, timeout_s=120)
+    assert (r.first_logits - logits).abs().max().item() < ATOL
+    assert r.output_ids == tokens
+    assert r.transfer_bytes == transfer_bytes(model.config, len(IDS)) and r.prefill_ranks == 2
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"decode_tokens": 0}, "decode_tokens must be an int >= 1"),
     ({"layout": "zip"}, "unknown layout 'zip'"),

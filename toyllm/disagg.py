@@ -30,9 +30,9 @@ What is here, and what is measured:
   ``torch.distributed``; rank 1 receives them into a ``DynamicKVCache`` and
   decodes. In the same run, rounds interleaved with the shipping
   (``toyllm.measure``), rank 1 also prefills the prompt itself: what
-  recomputing would have cost. With method "tsp" or "kvr" the prefill
-  runs first on p processes of its own (``parallel_prefill``) and the
-  cache of its last rank is handed to rank 0, which ships it: the two
+  recomputing would have cost. With method "tsp", "kvr" or "ring" the
+  prefill runs first on p processes of its own (``parallel_prefill``) and
+  the cache of its last rank (for ring, the shards gathered there) is handed to rank 0, which ships it: the two
   groups cannot run at once on a 2-core machine without spoiling each
   other's timings.
 - ``shipping_pays``, ``break_even_bandwidth``, ``shipping_table``: the
@@ -100,11 +100,11 @@ class ShippingResult:
     hits both alike. transfer: measured on the decode worker, from posting
     the receives (both workers leave a barrier together) until the last
     byte is in. recompute: the decode worker prefilling the prompt itself.
-    prefill: the prefill worker's own prefill (with "tsp"/"kvr": the TTFT
+    prefill: the prefill worker's own prefill (with "tsp"/"kvr"/"ring": the TTFT
     runs of the parallel prefill, run before the shipping group).
     """
 
-    method: str                       # how the prefill worker prefilled: "single", "tsp" or "kvr"
+    method: str                       # how the prefill worker prefilled: "single", "tsp", "kvr" or "ring"
     prefill_ranks: int                # processes of the prefill (1 for "single")
     layout: str                       # "flat" (one message) or "per_layer" (one message per layer)
     context: int                      # prompt tokens
@@ -260,7 +260,7 @@ def ship_kv_cache(spec: ModelSpec | str, ids: list[int], decode_tokens: int = 8,
                   return_cache: bool = False, timeout_s: float = 120.0) -> ShippingResult:
     """Prefill ``ids`` on one process, ship its KV cache over gloo to another, decode ``decode_tokens`` there.
 
-    method: "single" (the prefill worker prefills alone) or "tsp"/"kvr" on
+    method: "single" (the prefill worker prefills alone) or "tsp"/"kvr"/"ring" on
     ``prefill_ranks`` processes (run first, by ``parallel_prefill``; its last
     rank's cache is what rank 0 ships). layout: "per_layer" sends one
     message per layer, "flat" the whole cache as one buffer. Per layer is
@@ -274,7 +274,7 @@ def ship_kv_cache(spec: ModelSpec | str, ids: list[int], decode_tokens: int = 8,
     processes; a rank that fails stops the run with its traceback
     (``toyllm.launch.WorkerError``). The cache arrives exactly as the prefill
     worker computed it: from one process, the one-process cache; from
-    "tsp" or "kvr", that cache up to float32 rounding. Either way the greedy
+    "tsp", "kvr" or "ring", that cache up to float32 rounding. Either way the greedy
     tokens equal one-process ``generate``.
     """
     spec = ModelSpec(spec) if isinstance(spec, str) else spec
