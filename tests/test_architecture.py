@@ -109,7 +109,7 @@ LAYERS = [
     {"toyllm.model"},
     {"toyllm.cache", "toyllm.paged", "toyllm.tokenizer", "toyllm.analysis", "toyllm.cost_fit"},
     {"toyllm.weights", "toyllm.generation", "toyllm.serving", "toyllm.launch", "toyllm.partition"},
-    {"toyllm.parallel", "toyllm.simulate", "toyllm.partition_table"},
+    {"toyllm.parallel", "toyllm.simulate", "toyllm.simulate_ring", "toyllm.partition_table"},
 ]
 
 

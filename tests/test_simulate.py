@@ -1,4 +1,6 @@
 """The prefill simulator (toyllm.simulate) with synthetic cost models: exact small cases and trends."""
+import math
+
 import pytest
 import torch
 
@@ -80,14 +82,15 @@ def test_send_durations_follow_the_row_counts():
 
 
 def test_event_invariants():
-    for method, chunks in [("kvr", [300, 200, 100]), ("tsp", [200, 200, 200])]:
+    for method, chunks in [("kvr", [300, 200, 100]), ("tsp", [200, 200, 200]), ("ring", [300, 200, 100])]:
         for overlap in (True, False):
             res = simulate_prefill(BENCH, chunks, method, CPU_LIKE, overlap=overlap)
             assert {e.kind for e in res.events} <= set(EVENT_KINDS)
             assert all(e.end_s > e.start_s >= 0 and 0 <= e.layer < BENCH.n_layers for e in res.events)
+            blocking_sends = not overlap and method != "ring"        # the ring's sends always overlap
             for rank in range(len(chunks)):
                 # A rank's own work (everything but an asynchronous send) never overlaps itself.
-                own = sorted((e for e in res.events if e.rank == rank and (e.kind != "send" or not overlap)),
+                own = sorted((e for e in res.events if e.rank == rank and (e.kind != "send" or blocking_sends)),
                              key=lambda e: e.start_s)
                 assert all(a.end_s <= b.start_s + 1e-12 for a, b in zip(own, own[1:]))
                 assert own[-1].end_s == pytest.approx(res.per_rank_finish_s[rank])
@@ -112,6 +115,62 @@ def test_ttft_is_the_last_ranks_finish_even_when_an_earlier_rank_is_slower():
     assert cmp["kvr_even"] == simulate_prefill(BENCH, even_partition(1024, 2), "kvr", CPU_LIKE).per_rank_finish_s[-1]
     found = simulate_prefill(BENCH, cmp["kvr_searched_chunks"], "kvr", CPU_LIKE)
     assert cmp["kvr_searched"] == found.per_rank_finish_s[-1]
+
+
+# --------------------------------------------------------------------------- ring attention (pass-KV)
+
+@pytest.mark.parametrize("pairs", ["dense", "causal"])
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_ring_with_an_instant_link_is_the_last_ranks_compute(p, pairs):
+    """Nothing waits for a free link: the TTFT is the last rank's own work, p blocks of attention a layer."""
+    cm = CPU_LIKE.with_(link_bandwidth_bytes_per_s=math.inf, link_latency_s=0.0, attention_pairs=pairs)
+    C = 256 * p
+    c = C // p
+    res = simulate_prefill(BENCH, [c] * p, "ring", cm)
+    own_pairs = c * c if pairs == "dense" else c * (c + 1) // 2          # its own block, causal
+    per_layer = (cm.layer_overhead_s + cm.qkv_s_per_token * c
+                 + cm.attn_s_per_dot * (own_pairs + (p - 1) * c * c) + cm.mlp_s_per_token * c)
+    assert res.ttft_s == pytest.approx(BENCH.n_layers * per_layer, rel=1e-12)
+    assert res.ttft_s == pytest.approx(rank_kind_seconds(res, p - 1, "compute"), rel=1e-12)
+    assert rank_kind_seconds(res, p - 1, "recv_wait") == rank_kind_seconds(res, p - 1, "send_wait") == 0
+
+
+def test_ring_on_one_process_is_the_single_run():
+    C = 1000
+    for cm in (CPU_LIKE, CPU_LIKE.with_(attention_pairs="causal")):
+        single = simulate_prefill(BENCH, [C], "single", cm)
+        ring = simulate_prefill(BENCH, [C], "ring", cm)
+        assert ring.ttft_s == single.ttft_s
+        assert [(e.kind, e.start_s, e.end_s) for e in ring.events] == [(e.kind, e.start_s, e.end_s)
+                                                                      for e in single.events]
+
+
+def test_ring_slows_down_on_a_slow_link():
+    chunks = even_partition(4096, 4)
+    times = {bw: simulate_prefill(BENCH, chunks, "ring", CPU_LIKE.with_(link_bandwidth_bytes_per_s=bw))
+             for bw in (1e12, 3e9, 1e7)}
+    assert times[1e12].ttft_s <= times[3e9].ttft_s < times[1e7].ttft_s
+    slow = times[1e7]
+    assert rank_kind_seconds(slow, 3, "recv_wait") > 0              # the blocks arrive late
+    # a send moves the K and V of one chunk: 2 * 1024 rows of 1 KiB at 10 MB/s, plus the latency
+    sends = [e.duration_s for e in slow.events if e.kind == "send"]
+    assert sends and all(d == pytest.approx(2 * 1024 * 1024 / 1e7 + CPU_LIKE.link_latency_s) for d in sends)
+
+
+@pytest.mark.parametrize("chunks", [[100, 100], [300, 200, 100], [64] * 4])
+def test_ring_sends_p_minus_1_blocks_and_rank_r_attends_r_plus_1(chunks):
+    p, L = len(chunks), BENCH.n_layers
+    res = simulate_prefill(BENCH, chunks, "ring", CPU_LIKE)
+    sends = [e for e in res.events if e.kind == "send"]
+    assert len(sends) == p * (p - 1) * L
+    for rank in range(p):
+        for layer in range(L):
+            mine = [e for e in res.events if e.rank == rank and e.layer == layer]
+            assert sorted(e.label for e in mine if e.kind == "send") == [f"ring step {s}" for s in range(p - 1)]
+            attended = [e.label for e in mine if e.label.startswith("attention")]
+            # its own block first, then the earlier ranks' in ring order; later ones are skipped
+            assert attended == [f"attention over block {(rank - s) % p}" for s in range(rank + 1)]
+    assert res.ttft_s == res.per_rank_finish_s[-1]
 
 
 # --------------------------------------------------------------------------- trends the lessons rely on
@@ -144,7 +203,8 @@ def test_parallel_prefill_does_not_pay_on_slow_links_or_short_contexts():
     assert single < simulate_prefill(BENCH, even_partition(C, 2), "tsp", laggy).ttft_s
 
 
-@pytest.mark.parametrize("method, chunks", [("kvr", [5000, 3192]), ("kvr", [2048] * 4), ("tsp", [2048] * 4)])
+@pytest.mark.parametrize("method, chunks", [("kvr", [5000, 3192]), ("kvr", [2048] * 4), ("tsp", [2048] * 4),
+                                           ("ring", [2048] * 4)])
 def test_ttft_never_grows_with_bandwidth(method, chunks):
     times = [simulate_prefill(BENCH, chunks, method, CPU_LIKE.with_(link_bandwidth_bytes_per_s=bw)).ttft_s
              for bw in (1e6, 1e7, 1e8, 1e9, 1e10, 1e12)]
@@ -194,6 +254,8 @@ def test_compare_methods_orders_the_methods():
     assert out["kvr_searched"] <= out["kvr_even"] <= out["tsp"] < out["single"]
     assert out["lower_bound"] <= out["kvr_searched"]
     assert sum(out["kvr_searched_chunks"]) == 4096
+    assert out["ring"] == simulate_prefill(BENCH, even_partition(4096, 2), "ring", CPU_LIKE).ttft_s
+    assert out["lower_bound"] <= out["ring"] < out["single"]
     out4 = compare_methods(BENCH, 2048, 4, CPU_LIKE, min_stride=32)
     assert out4["kvr_searched"] <= out4["kvr_even"] and len(out4["kvr_searched_chunks"]) == 4
 
@@ -214,8 +276,8 @@ def test_cost_model_round_trip_and_errors():
 
 
 def test_simulate_errors():
-    with pytest.raises(ValueError, match="unknown method"):
-        simulate_prefill(BENCH, [4, 4], "ring", CPU_LIKE)
+    with pytest.raises(ValueError, match=r"unknown method 'ulysses'; choose one of .*'ring'"):
+        simulate_prefill(BENCH, [4, 4], "ulysses", CPU_LIKE)
     with pytest.raises(ValueError, match="one process"):
         simulate_prefill(BENCH, [4, 4], "single", CPU_LIKE)
     with pytest.raises(ValueError, match="at least one token"):

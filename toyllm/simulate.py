@@ -1,4 +1,4 @@
-"""A cost model and event simulator of one parallel prefill: single process, TSP or KV-Runahead.
+"""A cost model and event simulator of one parallel prefill: single process, TSP, KV-Runahead or ring.
 
 Why simulate? Searching for a good KV-Runahead partition needs hundreds of
 TTFT measurements, and lessons want to ask "what if the link were 10 GB/s?"
@@ -31,6 +31,10 @@ send blocks the sender for the whole transfer.
 TSP, every layer on every rank: project its chunk, all-gather K,V (everyone
 waits for the slowest rank, then a ring of p-1 steps, each moving the
 largest chunk), attend with c_i queries over all C keys, o_proj and MLP.
+
+Ring attention (pass-KV, contiguous chunks), every layer on every rank:
+project its chunk, then p ring steps, each attending over the block in hand
+while that block travels on to the next rank; ``toyllm.simulate_ring``.
 """
 from __future__ import annotations
 
@@ -46,9 +50,10 @@ from .checks import check_int
 from .cost_fit import allgather_piece_bytes, fit_to_runs, least_squares, query_key_pairs
 from .model import ModelConfig
 from .partition import even_partition, prefixes, search_partition, ttft_lower_bound, validate_partition
+from .simulate_ring import simulate_ring
 from .timeline import Event
 
-SIM_METHODS = ("single", "tsp", "kvr")
+SIM_METHODS = ("single", "tsp", "kvr", "ring")
 
 # A link-noise function returns the factor (>= 1) by which a transfer's
 # bandwidth time is stretched: noise(src_rank, dst_rank, layer, step).
@@ -414,8 +419,8 @@ def simulate_prefill(cfg: ModelConfig, chunks: Sequence[int], method: str, cost_
                      record_events: bool = True) -> SimResult:
     """Simulate one prefill of sum(chunks) tokens on len(chunks) ranks; see the module docstring.
 
-    method: "single" (one rank, chunks=[C]), "tsp" or "kvr". With one chunk,
-    tsp and kvr are the single-process run.
+    method: "single" (one rank, chunks=[C]), "tsp", "kvr" or "ring" (pass-KV,
+    contiguous chunks). With one chunk, each is the single-process run.
     overlap: KVR only; False makes receive and send blocking.
     link_noise: None, a sigma for ``random_link_noise`` (seed 0), or a
     function (src, dst, layer, step) -> slowdown factor >= 1.
@@ -433,6 +438,8 @@ def simulate_prefill(cfg: ModelConfig, chunks: Sequence[int], method: str, cost_
     events: list[Event] | None = [] if record_events else None
     if method == "tsp" and len(chunks) > 1:
         finish = _simulate_tsp(cfg, chunks, cost_model, noise, events)
+    elif method == "ring":
+        finish = simulate_ring(cfg, chunks, cost_model, noise, [_Rank(i, events) for i in range(len(chunks))])
     else:
         finish = _simulate_kvr(cfg, chunks, cost_model, overlap, noise, events)
     if events is not None:
@@ -529,7 +536,7 @@ def compare_methods(cfg: ModelConfig, context: int, world_size: int, cost_model:
                     link_noise: float | LinkNoise | None = None) -> dict:
     """Simulated TTFT (seconds) of every method for one context and process count.
 
-    Keys: single, tsp, kvr_even (KVR-E), kvr_searched (KVR-S, the best
+    Keys: single, tsp, ring (pass-KV, even split), kvr_even (KVR-E), kvr_searched (KVR-S, the best
     partition the search finds in the simulator), kvr_searched_chunks,
     search_evaluations, lower_bound (the paper's TTFT*(p) from the
     single-process time), and simulated=True.
@@ -543,7 +550,8 @@ def compare_methods(cfg: ModelConfig, context: int, world_size: int, cost_model:
     found = search_partition(cost, context, world_size, min_stride=min_stride, span=span)
     single = simulate_prefill(cfg, [context], "single", cost_model, record_events=False).ttft_s
     tsp = simulate_prefill(cfg, even, "tsp", cost_model, link_noise=link_noise, record_events=False).ttft_s
-    return {"context": context, "world_size": world_size, "single": single, "tsp": tsp,
+    ring = simulate_prefill(cfg, even, "ring", cost_model, link_noise=link_noise, record_events=False).ttft_s
+    return {"context": context, "world_size": world_size, "single": single, "tsp": tsp, "ring": ring,
             "kvr_even": cost(even), "kvr_searched": found.cost_s, "kvr_searched_chunks": found.partition,
             "search_evaluations": found.evaluations,
             "lower_bound": ttft_lower_bound(single, world_size), "simulated": True}
