@@ -10,6 +10,7 @@ from toyllm.partition import (dot_products, even_partition, exhaustive_search, h
                               kv_rows_sent, search_boundary_1d)
 from toyllm.simulate import (CostModel, SimResult, a100_like, compare_methods, random_link_noise,
                              simulate_prefill, ttft_cost)
+from toyllm.simulate_ring import visible_pairs, zigzag_chunks
 from toyllm.timeline import EVENT_KINDS
 
 BENCH = get_config("bench")          # 4 layers, 8 KV heads of 32: 1 KiB per token per layer for K (float32)
@@ -171,6 +172,42 @@ def test_ring_sends_p_minus_1_blocks_and_rank_r_attends_r_plus_1(chunks):
             # its own block first, then the earlier ranks' in ring order; later ones are skipped
             assert attended == [f"attention over block {(rank - s) % p}" for s in range(rank + 1)]
     assert res.ttft_s == res.per_rank_finish_s[-1]
+
+
+def test_visible_pairs_counts_the_causal_pairs_of_two_ranges():
+    for q in [(0, 5), (3, 9), (10, 12)]:
+        for k in [(0, 5), (2, 4), (5, 11), (12, 20)]:
+            brute = sum(1 for i in range(*q) for j in range(*k) if j <= i)
+            assert visible_pairs(q, k) == brute, (q, k)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_ring_zigzag_gives_every_rank_the_same_work_and_rank_0_the_first_token(p):
+    C = 512 * p
+    free = CPU_LIKE.with_(link_bandwidth_bytes_per_s=math.inf, link_latency_s=0.0)
+    zig = zigzag_chunks(C, p)
+    causal = free.with_(attention_pairs="causal")
+    res = simulate_prefill(BENCH, zig, "ring", causal, balance="zigzag")
+    assert res.ttft_s == res.per_rank_finish_s[0]                     # rank 0 holds the last token
+    for rank in range(p):
+        # a kernel that skips masked pairs: each rank computes 1/p of the causal triangle, every block in part
+        attention = rank_kind_seconds(res, rank, "compute", "attention")
+        assert attention == pytest.approx(BENCH.n_layers * causal.attn_s_per_dot * C * (C + 1) / 2 / p, rel=1e-12)
+        assert len([e for e in res.events if e.rank == rank and e.label.startswith("attention")]) == p * BENCH.n_layers
+    assert res.ttft_s < simulate_prefill(BENCH, even_partition(C, p), "ring", causal).ttft_s
+    # the dense kernel computes each block's whole rectangle: zigzag then saves nothing
+    dense = simulate_prefill(BENCH, zig, "ring", free, balance="zigzag")
+    assert dense.ttft_s == pytest.approx(simulate_prefill(BENCH, even_partition(C, p), "ring", free).ttft_s,
+                                         rel=1e-12)
+
+
+def test_ring_zigzag_errors():
+    with pytest.raises(ValueError, match="balances only ring"):
+        simulate_prefill(BENCH, [4, 4], "tsp", CPU_LIKE, balance="zigzag")
+    with pytest.raises(ValueError, match="balances only ring"):
+        simulate_prefill(BENCH, [4, 4], "ring", CPU_LIKE, balance="trim")
+    with pytest.raises(ValueError, match=r"give chunks=\[75, 75\]"):
+        simulate_prefill(BENCH, [100, 50], "ring", CPU_LIKE, balance="zigzag")
 
 
 # --------------------------------------------------------------------------- trends the lessons rely on

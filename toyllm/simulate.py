@@ -32,9 +32,9 @@ TSP, every layer on every rank: project its chunk, all-gather K,V (everyone
 waits for the slowest rank, then a ring of p-1 steps, each moving the
 largest chunk), attend with c_i queries over all C keys, o_proj and MLP.
 
-Ring attention (pass-KV, contiguous chunks), every layer on every rank:
-project its chunk, then p ring steps, each attending over the block in hand
-while that block travels on to the next rank; ``toyllm.simulate_ring``.
+Ring attention (pass-KV, contiguous chunks or zigzag), every layer on every
+rank: project its chunk, then p ring steps, each attending over the block in
+hand while that block travels on to the next rank; ``toyllm.simulate_ring``.
 """
 from __future__ import annotations
 
@@ -355,8 +355,9 @@ def random_link_noise(sigma: float, seed: int = 0) -> LinkNoise:
 class SimResult:
     """One simulated prefill. Times in seconds from the common start.
 
-    ttft_s: when the last rank finishes its last layer: the first token comes
-    from the last rank, so this is the TTFT, as in a real run
+    ttft_s: when the last rank (rank 0 for ring's zigzag: the rank holding the
+    last prompt token) finishes its last layer: the first token comes from
+    that rank, so this is the TTFT, as in a real run
     (``PrefillResult.ttft_s``), even when an earlier rank is still computing.
     per_rank_finish_s: when each rank finishes its own compute.
     slowest_rank_s: the latest of those (not the TTFT; kept for comparison).
@@ -416,7 +417,7 @@ def _noise_fn(link_noise) -> LinkNoise:
           ships="dispatches to the timelines lessons 06 and 07 draw; Exercise 7.3 asks for the TTFT alone")
 def simulate_prefill(cfg: ModelConfig, chunks: Sequence[int], method: str, cost_model: CostModel,
                      overlap: bool = True, link_noise: float | LinkNoise | None = None,
-                     record_events: bool = True) -> SimResult:
+                     record_events: bool = True, balance: str = "none") -> SimResult:
     """Simulate one prefill of sum(chunks) tokens on len(chunks) ranks; see the module docstring.
 
     method: "single" (one rank, chunks=[C]), "tsp", "kvr" or "ring" (pass-KV,
@@ -426,12 +427,16 @@ def simulate_prefill(cfg: ModelConfig, chunks: Sequence[int], method: str, cost_
     function (src, dst, layer, step) -> slowdown factor >= 1.
     record_events: False skips building the timeline (several times faster,
     for searches that only need ``ttft_s``).
+    balance: ring only: "none" or "zigzag" (chunks as the engine's zigzag
+    layout gives them, ``toyllm.simulate_ring.zigzag_chunks``; rank 0 gives the first token).
     """
     if method not in SIM_METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {list(SIM_METHODS)}")
     if not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
     chunks = validate_partition(chunks)
+    if balance not in ("none", "zigzag") or (balance == "zigzag" and method != "ring"):
+        raise ValueError(f"balance={balance!r}: the simulator balances only ring, with 'none' or 'zigzag'")
     if method == "single" and len(chunks) != 1:
         raise ValueError(f"method 'single' runs on one process: chunks must be [C], got {chunks}")
     noise = _noise_fn(link_noise)
@@ -439,12 +444,13 @@ def simulate_prefill(cfg: ModelConfig, chunks: Sequence[int], method: str, cost_
     if method == "tsp" and len(chunks) > 1:
         finish = _simulate_tsp(cfg, chunks, cost_model, noise, events)
     elif method == "ring":
-        finish = simulate_ring(cfg, chunks, cost_model, noise, [_Rank(i, events) for i in range(len(chunks))])
+        finish = simulate_ring(cfg, chunks, cost_model, noise, [_Rank(i, events) for i in range(len(chunks))],
+                               balance)
     else:
         finish = _simulate_kvr(cfg, chunks, cost_model, overlap, noise, events)
     if events is not None:
         events.sort(key=lambda e: (e.start_s, e.rank))
-    return SimResult(finish[-1], finish, events or [], method, list(chunks))
+    return SimResult(finish[0 if balance == "zigzag" else -1], finish, events or [], method, list(chunks))
 
 
 # the KV-Runahead timing itself: off limits to Exercise 7.3 like simulate_prefill
