@@ -791,11 +791,11 @@ def naive_generate(model, prompt_ids, max_new_tokens):
     from toyllm.generation import generate
     return generate(model, prompt_ids, max_new_tokens, method="naive").output_ids
 ''', None),
-    ("2.1", "keys assumed to start at 0", "visible = k_pos[None, :] <= q_pos[:, None]",
+    ("2.1", "keys assumed to start at 0", "visible = causal_mask(q_pos, k_pos)",
      "visible = torch.arange(k.shape[-2])[None, :] <= q_pos[:, None]"),
-    ("2.1", "mask from the shapes", "visible = k_pos[None, :] <= q_pos[:, None]",
+    ("2.1", "mask from the shapes", "visible = causal_mask(q_pos, k_pos)",
      "visible = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril(k.shape[-2] - q.shape[-2])"),
-    ("2.1", "a key at the query's own position hidden", "visible = k_pos[None, :] <= q_pos[:, None]",
+    ("2.1", "a key at the query's own position hidden", "visible = causal_mask(q_pos, k_pos)",
      "visible = k_pos[None, :] < q_pos[:, None]"),
     ("2.1", "no 1/sqrt(D)", "q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])", "q @ k.transpose(-2, -1)"),
     ("2.1", "calls toyllm's dense_attention", '''
