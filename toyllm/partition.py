@@ -108,6 +108,22 @@ def even_partition(context: int, world_size: int) -> list[int]:
     return [base + 1 if i < extra else base for i in range(p)]
 
 
+def zigzag_layout(context: int, world_size: int) -> list[list[tuple[int, int]]]:
+    """The zigzag balance: rank r holds pieces r and 2p-1-r of 2p even pieces, as [start, end) token ranges.
+
+    Each rank then owns one piece from each end of the causal triangle, so
+    every rank has an equal share of the visible query-key pairs.
+    """
+    C, p = _check_context_and_world(context, world_size)
+    ends = boundaries_from_chunks(even_partition(C, 2 * p))
+    return [[(ends[r], ends[r + 1]), (ends[2 * p - 1 - r], ends[2 * p - r])] for r in range(p)]
+
+
+def zigzag_chunks(context: int, world_size: int) -> list[int]:
+    """Tokens per rank under the zigzag balance (``zigzag_layout``)."""
+    return [sum(b - a for a, b in runs) for runs in zigzag_layout(context, world_size)]
+
+
 @shortcut("6.3", student="_partition_by_exercise")
 def partition_from_ratios(context: int, ratios: Sequence[float]) -> list[int]:
     """Chunk sizes in proportion to ``ratios`` that add up to exactly ``context``.

@@ -28,24 +28,10 @@ The ranks are ``toyllm.simulate``'s clocks (``busy``, ``wait_until``,
 """
 from __future__ import annotations
 
-from .partition import even_partition
+from .partition import zigzag_chunks, zigzag_layout  # noqa: F401  (zigzag_chunks: what a zigzag run takes)
 from .timeline import Event
 
 Runs = list[tuple[int, int]]          # the position ranges [a, b) a rank holds, in increasing order
-
-
-def zigzag_layout(context: int, world_size: int) -> list[Runs]:
-    """Rank r's positions under zigzag: pieces r and 2p-1-r of 2p (as ``toyllm.parallel``'s ``token_layout``)."""
-    p = world_size
-    ends = [0]
-    for n in even_partition(context, 2 * p):
-        ends.append(ends[-1] + n)
-    return [[(ends[r], ends[r + 1]), (ends[2 * p - 1 - r], ends[2 * p - r])] for r in range(p)]
-
-
-def zigzag_chunks(context: int, world_size: int) -> list[int]:
-    """The tokens each rank holds under zigzag: the ``chunks`` a zigzag simulation takes."""
-    return [sum(b - a for a, b in runs) for runs in zigzag_layout(context, world_size)]
 
 
 def contiguous_layout(chunks: list[int]) -> list[Runs]:
@@ -84,7 +70,7 @@ def simulate_ring(cfg, chunks: list[int], cm, noise, ranks, balance: str = "none
     """Each rank's finish time (seconds) of a pass-KV ring prefill; ``ranks`` record the events."""
     p, L = len(chunks), cfg.n_layers
     layout = zigzag_layout(sum(chunks), p) if balance == "zigzag" else contiguous_layout(chunks)
-    held = [sum(b - a for a, b in runs) for runs in layout]       # zigzag_chunks
+    held = [sum(b - a for a, b in runs) for runs in layout]
     if held != list(chunks):
         raise ValueError(f"balance='zigzag' makes its own layout (2p equal pieces, rank r holds r and 2p-1-r): "
                          f"give chunks={held} for {sum(chunks)} tokens on {p} ranks, got {list(chunks)}")

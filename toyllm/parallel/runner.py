@@ -28,7 +28,7 @@ from ..checks import check_int, is_int
 from ..generation import generate
 from ..launch import RankContext, WorkerPool, init_from_env, run_parallel, to_cpu
 from ..model import get_config
-from ..partition import even_partition, validate_partition
+from ..partition import even_partition, validate_partition, zigzag_chunks, zigzag_layout
 from ..timeline import Timeline
 from .comm import AllGather, Chain, LinkModel, Ring
 from .plug import resolve_step, step_reference
@@ -189,21 +189,12 @@ class _TimedBlock:
             return self.block.finish(*args)
 
 
-def zigzag_chunks(context: int, world_size: int) -> list[int]:
-    """Tokens per rank when rank r holds pieces r and 2p-1-r of 2p equal pieces."""
-    pieces = even_partition(context, 2 * world_size)
-    return [pieces[r] + pieces[2 * world_size - 1 - r] for r in range(world_size)]
-
-
 def token_layout(chunks: list[int], balance: str = "none") -> list[torch.Tensor]:
     """Positions each rank holds: contiguous chunks, or for zigzag pieces r and 2p-1-r of 2p."""
     if balance != "zigzag":
         ends = torch.tensor(chunks).cumsum(0).tolist()
         return [torch.arange(end - c, end) for c, end in zip(chunks, ends)]
-    p, C = len(chunks), sum(chunks)
-    bounds = [0] + torch.tensor(even_partition(C, 2 * p)).cumsum(0).tolist()
-    piece = [torch.arange(bounds[j], bounds[j + 1]) for j in range(2 * p)]
-    return [torch.cat([piece[r], piece[2 * p - 1 - r]]) for r in range(p)]
+    return [torch.cat([torch.arange(a, b) for a, b in runs]) for runs in zigzag_layout(sum(chunks), len(chunks))]
 
 
 @torch.no_grad()
