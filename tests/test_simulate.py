@@ -210,6 +210,108 @@ def test_ring_zigzag_errors():
         simulate_prefill(BENCH, [100, 50], "ring", CPU_LIKE, balance="zigzag")
 
 
+# --------------------------------------------------------------------------- ring attention (pass-Q)
+
+GQA = BENCH.with_(n_kv_heads=2)      # 8 query heads share 2 KV heads: K and V are a quarter of Q's size
+
+
+@pytest.mark.parametrize("pairs", ["dense", "causal"])
+def test_pass_q_on_one_process_continues_the_cache_like_a_single_run(pairs):
+    """No messages: per layer the projections and MLP of the C new tokens and their attention over N + C keys."""
+    N, C = 3000, 1000
+    cm = CPU_LIKE.with_(attention_pairs=pairs, attn_unaligned_s_per_dot=1e-9)
+    res = simulate_prefill(BENCH, [C], "ring", cm, ring_pass="q", cached=N)
+    per_layer = (cm.layer_overhead_s + cm.qkv_s_per_token * C + cm.attention_s(C, N, N + C)
+                 + cm.mlp_s_per_token * C)
+    assert res.ttft_s == pytest.approx(BENCH.n_layers * per_layer, rel=1e-12)
+    assert not [e for e in res.events if e.kind != "compute"]
+
+
+@pytest.mark.parametrize("balance", ["none", "zigzag"])
+@pytest.mark.parametrize("p", [2, 4])
+def test_pass_q_with_an_instant_link(p, balance):
+    """Dense kernel: every rank attends p blocks of c queries over its n + c keys (the closed form); a causal
+    kernel: the ranks together compute the visible pairs, C N + C (C + 1) / 2 a layer, whatever the balance."""
+    N, C = 512 * p, 256 * p
+    n, c = N // p, C // p
+    free = CPU_LIKE.with_(link_bandwidth_bytes_per_s=math.inf, link_latency_s=0.0)
+    chunks = zigzag_chunks(C, p) if balance == "zigzag" else even_partition(C, p)
+    res = simulate_prefill(BENCH, chunks, "ring", free, balance=balance, ring_pass="q", cached=N)
+    per_layer = (free.layer_overhead_s + free.qkv_s_per_token * c + free.attn_s_per_dot * p * c * (n + c)
+                 + free.mlp_s_per_token * c)
+    assert res.ttft_s == pytest.approx(BENCH.n_layers * per_layer, rel=1e-12)
+    assert res.ttft_s == res.per_rank_finish_s[0 if balance == "zigzag" else -1]
+    causal = simulate_prefill(BENCH, chunks, "ring", free.with_(attention_pairs="causal"), balance=balance,
+                              ring_pass="q", cached=N)
+    attention = sum(rank_kind_seconds(causal, r, "compute", "attention") for r in range(p))
+    assert attention == pytest.approx(BENCH.n_layers * free.attn_s_per_dot * (C * N + C * (C + 1) / 2), rel=1e-12)
+    assert causal.ttft_s < res.ttft_s
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_pass_q_sends_p_minus_1_query_blocks_and_the_partials_back(p):
+    N, C, L = 4000, 1200, BENCH.n_layers
+    slow = CPU_LIKE.with_(link_bandwidth_bytes_per_s=1e8)
+    chunks = even_partition(C, p)
+    res = simulate_prefill(BENCH, chunks, "ring", slow, ring_pass="q", cached=N)
+    q_row = BENCH.n_heads * BENCH.head_dim * 4                       # a query, float32
+    part_row = BENCH.n_heads * (BENCH.head_dim + 1) * 4              # a partial output and its lse
+    for rank in range(p):
+        for layer in range(L):
+            mine = [e for e in res.events if e.rank == rank and e.layer == layer]
+            steps = {e.label: e.duration_s for e in mine if e.kind == "send" and e.label.startswith("ring step")}
+            assert sorted(steps) == [f"ring step {s}" for s in range(p - 1)]
+            for s, seconds in steps.items():
+                origin = (rank - int(s.split()[-1])) % p
+                assert seconds == pytest.approx(chunks[origin] * q_row / 1e8 + slow.link_latency_s)
+            back = [e.duration_s for e in mine if e.label == "partial outputs"]
+            longest = max(chunks[d] for d in range(p) if d != rank)
+            assert back == [pytest.approx(longest * part_row / 1e8 + slow.link_latency_s)]
+            attended = [e.label for e in mine if e.label.startswith("attention")]
+            assert attended == [f"attention of queries {(rank - s) % p}" for s in range(p)]   # none skipped
+
+
+def test_pass_q_beats_pass_kv_where_ring_traffic_chooses_q():
+    """Pass-KV has no cache to continue: its run that gives the same first token prefills all N + C tokens and
+    moves ring_traffic's "kv" bytes. On a slow link the pass that sends fewer bytes finishes first."""
+    from toyllm.parallel.ring import ring_traffic
+
+    p, C = 4, 512
+    for bandwidth in (1e7, 3e7):
+        cm = CPU_LIKE.with_(link_bandwidth_bytes_per_s=bandwidth)
+        for N, winner in ((7 * C, "q"), (15 * C, "q"), (p, "kv")):   # cached share 7/8, 15/16; 4 tokens
+            traffic = ring_traffic(C, N, GQA.n_heads, GQA.n_kv_heads, GQA.head_dim, p)
+            assert traffic["choose"] == winner
+            q = simulate_prefill(GQA, even_partition(C, p), "ring", cm, ring_pass="q", cached=N,
+                                 record_events=False).ttft_s
+            kv = simulate_prefill(GQA, even_partition(N + C, p), "ring", cm, record_events=False).ttft_s
+            assert (q < kv) == (winner == "q"), (bandwidth, N, q, kv)
+    # on an instant link pass-Q still wins at a large cached share: it does not recompute the cached tokens
+    free = CPU_LIKE.with_(link_bandwidth_bytes_per_s=math.inf, link_latency_s=0.0)
+    assert (simulate_prefill(GQA, even_partition(C, p), "ring", free, ring_pass="q", cached=7 * C).ttft_s
+            < simulate_prefill(GQA, even_partition(8 * C, p), "ring", free).ttft_s)
+
+
+def test_pass_q_errors():
+    with pytest.raises(ValueError, match=r"unknown ring pass 'k'; choose one of \['kv', 'q'\]"):
+        simulate_prefill(BENCH, [4, 4], "ring", CPU_LIKE, ring_pass="k")
+    with pytest.raises(ValueError, match="pass-KV prefills a whole prompt"):
+        simulate_prefill(BENCH, [4, 4], "ring", CPU_LIKE, cached=8)
+    with pytest.raises(ValueError, match="give cached >= 2"):
+        simulate_prefill(BENCH, [4, 4], "ring", CPU_LIKE, ring_pass="q")
+    with pytest.raises(ValueError, match="give cached >= 4"):
+        simulate_prefill(BENCH, [4, 4], "ring", CPU_LIKE, ring_pass="q", cached=3, balance="zigzag")
+    with pytest.raises(ValueError, match="give at least 4 new tokens"):
+        simulate_prefill(BENCH, [2, 1], "ring", CPU_LIKE, ring_pass="q", cached=8, balance="zigzag")
+    with pytest.raises(ValueError, match=r"give chunks=\[4, 4\]"):
+        simulate_prefill(BENCH, [5, 3], "ring", CPU_LIKE, ring_pass="q", cached=8, balance="zigzag")
+    with pytest.raises(ValueError, match="cached must be an integer >= 0"):
+        simulate_prefill(BENCH, [4, 4], "ring", CPU_LIKE, ring_pass="q", cached=-1)
+    for method in ("tsp", "kvr"):
+        with pytest.raises(ValueError, match="takes neither"):
+            simulate_prefill(BENCH, [4, 4], method, CPU_LIKE, ring_pass="q", cached=8)
+
+
 # --------------------------------------------------------------------------- trends the lessons rely on
 
 def test_kvr_beats_tsp_for_a_long_context_and_searching_beats_even():

@@ -35,6 +35,9 @@ largest chunk), attend with c_i queries over all C keys, o_proj and MLP.
 Ring attention (pass-KV, contiguous chunks or zigzag), every layer on every
 rank: project its chunk, then p ring steps, each attending over the block in
 hand while that block travels on to the next rank; ``toyllm.simulate_ring``.
+Ring pass-Q (``ring_pass="q"``, ``cached=N``) continues N tokens whose keys
+and values are already sharded over the ranks: the new tokens' queries go
+round the ring instead, and each partial output returns to its owner.
 """
 from __future__ import annotations
 
@@ -417,7 +420,8 @@ def _noise_fn(link_noise) -> LinkNoise:
           ships="dispatches to the timelines lessons 06 and 07 draw; Exercise 7.3 asks for the TTFT alone")
 def simulate_prefill(cfg: ModelConfig, chunks: Sequence[int], method: str, cost_model: CostModel,
                      overlap: bool = True, link_noise: float | LinkNoise | None = None,
-                     record_events: bool = True, balance: str = "none") -> SimResult:
+                     record_events: bool = True, balance: str = "none", ring_pass: str = "kv",
+                     cached: int = 0) -> SimResult:
     """Simulate one prefill of sum(chunks) tokens on len(chunks) ranks; see the module docstring.
 
     method: "single" (one rank, chunks=[C]), "tsp", "kvr" or "ring" (pass-KV,
@@ -429,6 +433,11 @@ def simulate_prefill(cfg: ModelConfig, chunks: Sequence[int], method: str, cost_
     for searches that only need ``ttft_s``).
     balance: ring only: "none" or "zigzag" (chunks as the engine's zigzag
     layout gives them, ``toyllm.simulate_ring.zigzag_chunks``; rank 0 gives the first token).
+    ring_pass, cached: ring only, as the engine's ``prefill --method ring
+    --pass q --cached N``: "kv" (keys and values travel; a whole prompt,
+    cached=0) or "q" (the queries of the sum(chunks) new tokens travel,
+    continuing ``cached`` tokens already sharded over the ranks, at least
+    one per piece of the balance). Chunks then share out the new tokens.
     """
     if method not in SIM_METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {list(SIM_METHODS)}")
@@ -439,13 +448,16 @@ def simulate_prefill(cfg: ModelConfig, chunks: Sequence[int], method: str, cost_
         raise ValueError(f"balance={balance!r}: the simulator balances only ring, with 'none' or 'zigzag'")
     if method == "single" and len(chunks) != 1:
         raise ValueError(f"method 'single' runs on one process: chunks must be [C], got {chunks}")
+    if method != "ring" and (cached or ring_pass != "kv"):
+        raise ValueError(f"ring_pass and cached choose how ring attention runs; method {method!r} takes neither "
+                         "(give method='ring')")
     noise = _noise_fn(link_noise)
     events: list[Event] | None = [] if record_events else None
     if method == "tsp" and len(chunks) > 1:
         finish = _simulate_tsp(cfg, chunks, cost_model, noise, events)
     elif method == "ring":
         finish = simulate_ring(cfg, chunks, cost_model, noise, [_Rank(i, events) for i in range(len(chunks))],
-                               balance)
+                               balance, ring_pass, cached)
     else:
         finish = _simulate_kvr(cfg, chunks, cost_model, overlap, noise, events)
     if events is not None:

@@ -23,15 +23,36 @@ tokens out as the engine does (``zigzag_layout``): rank r holds pieces r
 and 2p-1-r of 2p, attends part of every block, and all ranks do equal work;
 rank 0 then holds the last token.
 
+Pass-Q (``ring_pass="q"``, the engine's ``ring_pass_q_layer``) continues
+``cached`` tokens whose keys and values are already sharded over the ranks
+as the engine leaves them (even chunks, or zigzag pieces with
+``balance="zigzag"``): the C new tokens are the positions after them. Every
+layer, rank r projects its c_r new tokens, then takes p ring steps: at step
+s it holds the queries of rank o = (r - s) mod p, sends them on (c_o rows of
+H x D values) once its previous send has been delivered, and attends them
+over the keys it holds, its n_r cached tokens (every new query sees them
+all) and its c_r new ones (causal where positions demand). No block is
+skipped. Then every rank sends each partial output, c_o rows of H x (D + 1)
+values (the lse included), straight back to its owner, all at once (the
+engine's ``return_partials``), waits for the p - 1 partials of its own
+queries, merges them (not charged: a few element-wise operations per
+query) and runs o_proj and the MLP. The bytes per layer are
+``toyllm.parallel.ring.ring_traffic``'s. Pass-KV refuses cached tokens, as
+the engine does: the pass-KV run that gives the same first token prefills
+all cached + C tokens.
+
 The ranks are ``toyllm.simulate``'s clocks (``busy``, ``wait_until``,
 ``t``, ``events``), passed in, so that this module does not import it.
 """
 from __future__ import annotations
 
-from .partition import zigzag_chunks, zigzag_layout  # noqa: F401  (zigzag_chunks: what a zigzag run takes)
+from .checks import check_int
+from .partition import even_partition, zigzag_chunks, zigzag_layout  # noqa: F401  (zigzag_chunks: what a zigzag run takes)
 from .timeline import Event
 
 Runs = list[tuple[int, int]]          # the position ranges [a, b) a rank holds, in increasing order
+
+RING_PASSES = ("kv", "q")             # what travels round the ring: keys and values, or queries
 
 
 def contiguous_layout(chunks: list[int]) -> list[Runs]:
@@ -66,14 +87,45 @@ def block_attention_s(cm, q_runs: Runs, k_runs: Runs) -> float | None:
     return per_pair * pairs
 
 
-def simulate_ring(cfg, chunks: list[int], cm, noise, ranks, balance: str = "none") -> list[float]:
-    """Each rank's finish time (seconds) of a pass-KV ring prefill; ``ranks`` record the events."""
-    p, L = len(chunks), cfg.n_layers
+def check_ring_sim(ring_pass: str, cached: int, balance: str, chunks: list[int]) -> None:
+    """The engine's rules of a ring request (``check_ring_request``), for the simulator; raises ValueError."""
+    if ring_pass not in RING_PASSES:
+        raise ValueError(f"unknown ring pass {ring_pass!r}; choose one of {list(RING_PASSES)} (what travels "
+                         "round the ring: keys and values, or queries)")
+    check_int(cached, "cached must be an integer >= 0 (tokens already in the ranks' caches)", 0)
+    if ring_pass == "kv" and cached:
+        raise ValueError(f"cached={cached}: pass-KV prefills a whole prompt, as in the engine; tokens already "
+                         "cached on the ranks are continued with ring_pass='q' (the pass-KV run that gives the "
+                         "same first token prefills all cached + new tokens, cached=0)")
+    if ring_pass == "q":
+        pieces = 2 * len(chunks) if balance == "zigzag" else len(chunks)
+        if cached < pieces:
+            raise ValueError(f"ring_pass='q' continues tokens already cached on every rank: give cached >= "
+                             f"{pieces} (balance={balance!r} shares them out in {pieces} pieces), got {cached}")
+        if sum(chunks) < pieces:
+            raise ValueError(f"ring_pass='q' shares the {sum(chunks)} new token(s) out in {pieces} pieces "
+                             f"(balance={balance!r}): give at least {pieces} new tokens")
+
+
+def token_runs(chunks: list[int], balance: str, start: int = 0) -> list[Runs]:
+    """The position ranges each rank holds, shifted by ``start``; checks that zigzag chunks are the layout's."""
+    p = len(chunks)
     layout = zigzag_layout(sum(chunks), p) if balance == "zigzag" else contiguous_layout(chunks)
     held = [sum(b - a for a, b in runs) for runs in layout]
     if held != list(chunks):
         raise ValueError(f"balance='zigzag' makes its own layout (2p equal pieces, rank r holds r and 2p-1-r): "
                          f"give chunks={held} for {sum(chunks)} tokens on {p} ranks, got {list(chunks)}")
+    return [[(a + start, b + start) for a, b in runs] for runs in layout]
+
+
+def simulate_ring(cfg, chunks: list[int], cm, noise, ranks, balance: str = "none", ring_pass: str = "kv",
+                  cached: int = 0) -> list[float]:
+    """Each rank's finish time (seconds) of a ring prefill, pass-KV or pass-Q; ``ranks`` record the events."""
+    check_ring_sim(ring_pass, cached, balance, chunks)
+    if ring_pass == "q":
+        return _simulate_pass_q(cfg, chunks, cm, noise, ranks, balance, cached)
+    p, L = len(chunks), cfg.n_layers
+    layout = token_runs(chunks, balance)
     row_bytes = cfg.n_kv_heads * cfg.head_dim * cm.bytes_per_value     # one token's K (or V) in one layer
     send_done = [0.0] * p              # when each rank's previous send is delivered
     for layer in range(L):
@@ -99,6 +151,54 @@ def simulate_ring(cfg, chunks: list[int], cm, noise, ranks, balance: str = "none
                 r.busy("compute", cm.step_s(attend, block_bytes), layer, lambda: f"attention over block {origin}")
             arrived = next_arrived
         for r, c in zip(ranks, chunks):
+            r.busy("compute", cm.step_s(cm.mlp_s_per_token * c, cm.mlp_weight_bytes), layer,
+                   lambda: f"o_proj + MLP of {c} tokens")
+    return [r.t for r in ranks]
+
+
+def _simulate_pass_q(cfg, chunks: list[int], cm, noise, ranks, balance: str, cached: int) -> list[float]:
+    """Pass-Q: the new tokens' queries travel, the partial outputs return to their owners (module docstring)."""
+    p, L = len(chunks), cfg.n_layers
+    new = token_runs(chunks, balance, start=cached)                      # the new tokens follow the cached ones
+    shard = zigzag_chunks(cached, p) if balance == "zigzag" else even_partition(cached, p)
+    held = [old + mine for old, mine in zip(token_runs(shard, balance), new)]   # every key a rank holds
+    row_bytes = cfg.n_kv_heads * cfg.head_dim * cm.bytes_per_value      # one token's K (or V) in one layer
+    q_bytes = cfg.n_heads * cfg.head_dim * cm.bytes_per_value           # one token's query
+    part_bytes = cfg.n_heads * (cfg.head_dim + 1) * cm.bytes_per_value  # one token's partial output and lse
+    kv_read = [2 * (n + c) * row_bytes for n, c in zip(shard, chunks)]  # the keys and values each rank attends
+    send_done = [0.0] * p
+    for layer in range(L):
+        for r, c in zip(ranks, chunks):
+            r.busy("compute", cm.layer_overhead_s + cm.step_s(cm.qkv_s_per_token * c, cm.qkv_weight_bytes), layer,
+                   lambda: f"qkv of {c} tokens")
+        arrived = [0.0] * p            # when the queries of the current step are at each rank
+        for step in range(p):
+            next_arrived = [0.0] * p
+            for i, r in enumerate(ranks):
+                origin = (i - step) % p
+                r.wait_until("recv_wait", arrived[i], layer, lambda: f"queries {origin} from rank {(i - 1) % p}")
+                if step < p - 1:
+                    r.wait_until("send_wait", send_done[i], layer, lambda: "previous send still in flight")
+                    seconds = cm.transfer_s(chunks[origin] * q_bytes, noise(i, (i + 1) % p, layer, step))
+                    if r.events is not None:
+                        r.events.append(Event(i, "send", r.t, r.t + seconds, layer, f"ring step {step}"))
+                    send_done[i] = next_arrived[(i + 1) % p] = r.t + seconds
+                attend = block_attention_s(cm, new[origin], held[i]) or 0.0   # cached keys: never skipped
+                r.busy("compute", cm.step_s(attend, kv_read[i]), layer, lambda: f"attention of queries {origin}")
+            arrived = next_arrived
+        back = [[0.0] * p for _ in range(p)]          # back[owner][sender]: when that partial output is home
+        for i, r in enumerate(ranks):
+            if p == 1:
+                break
+            r.wait_until("send_wait", send_done[i], layer, lambda: "previous send still in flight")
+            for dst in range(p):
+                if dst != i:
+                    back[dst][i] = r.t + cm.transfer_s(chunks[dst] * part_bytes, noise(i, dst, layer, p - 1))
+            send_done[i] = max(back[j][i] for j in range(p) if j != i)
+            if r.events is not None:
+                r.events.append(Event(i, "send", r.t, send_done[i], layer, "partial outputs"))
+        for i, (r, c) in enumerate(zip(ranks, chunks)):
+            r.wait_until("recv_wait", max(back[i]), layer, lambda: f"partial outputs of queries {i}")
             r.busy("compute", cm.step_s(cm.mlp_s_per_token * c, cm.mlp_weight_bytes), layer,
                    lambda: f"o_proj + MLP of {c} tokens")
     return [r.t for r in ranks]
