@@ -3,7 +3,8 @@ import pytest
 
 from toyllm import viz, widgets
 from toyllm.model import get_config
-from toyllm.partition import even_partition, exhaustive_search, hierarchical_grid_search, search_boundary_1d
+from toyllm.partition import (even_partition, exhaustive_search, hierarchical_grid_search, search_boundary_1d,
+                              zigzag_chunks)
 from toyllm.simulate import CostModel, simulate_prefill, ttft_cost
 
 BENCH = get_config("bench")
@@ -30,16 +31,20 @@ def test_partition_explorer_draws_the_simulated_timeline():
     assert [t.get_text() for t in ex.figure.axes[0].get_yticklabels()] == ["rank 0", "rank 1"]
 
 
-def test_network_explorer_recomputes_the_three_methods():
+def test_network_explorer_recomputes_the_four_methods():
     ex = widgets.NetworkExplorer(BENCH, CM, context=2048, bandwidth_gbps=10.0, world_size=2, plot=False)
     cm = CM.with_(link_bandwidth_bytes_per_s=10e9)
     assert ex.times_s["TSP, p=2"] == simulate_prefill(BENCH, [1024, 1024], "tsp", cm).ttft_s
+    assert ex.times_s["ring (zigzag), p=2"] == simulate_prefill(BENCH, zigzag_chunks(2048, 2), "ring", cm,
+                                                                 balance="zigzag").ttft_s
     assert ex.speedup["one process"] == 1.0
+    assert ex.fastest == min(ex.times_s, key=ex.times_s.get) and f"<b>{ex.fastest}</b>" in ex.text.value
     slow_kvr = ex.times_s["KVR-E, p=2"]
     ex.bandwidth.value = 0.01                                   # 10 MB/s: the link dominates
     assert ex.times_s["KVR-E, p=2"] > slow_kvr and ex.speedup["KVR-E, p=2"] < 1
     ex.world_size.value = 4
-    assert set(ex.times_s) == {"one process", "TSP, p=4", "KVR-E, p=4"}
+    assert set(ex.times_s) == {"one process", "TSP, p=4", "KVR-E, p=4", "ring (zigzag), p=4"}
+    assert ex.fastest == "one process"                          # 10 MB/s: no split pays
     assert f"{ex.speedup['TSP, p=4']:.2f}x" in ex.text.value
 
 
@@ -54,7 +59,7 @@ def test_the_network_explorers_link_carries_tsps_all_gather_too():
 
 def test_network_explorer_draws_bars():
     ex = widgets.NetworkExplorer(BENCH, CM, context=1024)
-    assert len(ex.figure.axes[0].patches) == 3
+    assert len(ex.figure.axes[0].patches) == 4
 
 
 def test_search_figures():
@@ -71,3 +76,16 @@ def test_search_figures():
     assert fig.axes[0].get_xscale() == "log"
     with pytest.raises(ValueError, match="expected"):
         viz.plot_speedup_map([512], [1, 10], [[1.0]])
+
+
+def test_winner_map_colours_each_cell_by_its_fastest_method():
+    times = {"a": [[1.0, 4.0], [2.0, 2.0]], "b": [[2.0, 1.0], [1.0, 8.0]]}
+    fig = viz.plot_winner_map([512, 1024], [1, 10], times, title="t")
+    ax = fig.axes[0]
+    assert ax.collections[0].get_array().tolist() == [[0, 1], [1, 0]]   # a, b / b, a
+    assert [t.get_text() for t in ax.texts] == ["2", "4", "2", "4"]      # x faster than the runner-up
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a", "b"]
+    with pytest.raises(ValueError, match="at least two methods"):
+        viz.plot_winner_map([512], [1], {"a": [[1.0]]})
+    with pytest.raises(ValueError, match="expected"):
+        viz.plot_winner_map([512], [1, 10], {"a": [[1.0]], "b": [[2.0]]})

@@ -13,6 +13,8 @@ figure is that axes' figure), so pictures can be combined in subplots.
 - ``plot_coverage``: which query x key dot products each rank computes (TSP or KV-Runahead).
 - ``plot_ttft_curves``: time to first token against context length, one line per method.
 - ``plot_bars`` and ``plot_distribution``: small bar charts for widgets and tables.
+- ``plot_speedup_map`` and ``plot_winner_map``: over context x link bandwidth, one method's speedup, or
+  which of several methods is fastest.
 """
 from __future__ import annotations
 
@@ -457,5 +459,98 @@ def plot_speedup_map(contexts: Sequence[int], bandwidths_gbps: Sequence[float], 
     ax.set_xlabel("link bandwidth (GB/s)")
     ax.set_ylabel("context (tokens)")
     ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_winner_map(contexts: Sequence[float], bandwidths_gbps: Sequence[float], times: Mapping[str, object], *,
+                    ax=None, title: str = "Fastest method", ylabel: str = "context (tokens)") -> Figure:
+    """Which method has the shortest time in each cell of a map over ``contexts`` x link bandwidth.
+
+    times: method name -> its times (seconds), rows per context, columns per
+    bandwidth, as ``plot_speedup_map``'s speedups. Each cell is coloured by
+    its fastest method and labelled with how many times faster it is than
+    the runner-up; the legend lists the methods in the order given.
+    """
+    import numpy as np
+    from matplotlib.colors import ListedColormap
+
+    names = list(times)
+    if len(names) < 2:
+        raise ValueError(f"a winner map needs at least two methods, got {names}")
+    values = np.stack([np.asarray(times[n], dtype=float) for n in names])     # (methods, contexts, bandwidths)
+    if values.shape[1:] != (len(contexts), len(bandwidths_gbps)):
+        raise ValueError(f"times have shape {values.shape[1:]}, expected (contexts, bandwidths) = "
+                         f"({len(contexts)}, {len(bandwidths_gbps)})")
+    x_edges = _log_cell_edges(bandwidths_gbps, "bandwidths_gbps")
+    y_edges = _log_cell_edges(contexts, "contexts")
+    order = values.argsort(axis=0)
+    best = order[0]
+    ratio = np.take_along_axis(values, order[1][None], 0)[0] / np.take_along_axis(values, best[None], 0)[0]
+    colours = [f"C{i}" for i in range(len(names))]
+    fig, ax = _new_axes(ax, figsize=(6, 4.5))
+    ax.set_xscale("log")
+    ax.set_yscale("log", base=2)
+    ax.pcolormesh(x_edges, y_edges, best, shading="flat", cmap=ListedColormap(colours), vmin=-0.5,
+                  vmax=len(names) - 0.5)
+    for i, y in enumerate(contexts):
+        for j, x in enumerate(bandwidths_gbps):
+            ax.text(x, y, f"{ratio[i, j]:.2g}", ha="center", va="center", fontsize=7)
+    ax.legend(handles=[Patch(color=c, label=n) for c, n in zip(colours, names)], fontsize=8, loc="upper left",
+              bbox_to_anchor=(1.01, 1.0))
+    ax.set_xlim(min(x_edges[0], x_edges[-1]), max(x_edges[0], x_edges[-1]))
+    ax.set_ylim(min(y_edges[0], y_edges[-1]), max(y_edges[0], y_edges[-1]))
+    ax.set_xlabel("link bandwidth (GB/s)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title + " (number: x faster than the next)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+# --------------------------------------------------------------------------- lesson 09: ring attention
+
+def plot_ring_step(context: int, world_size: int, step: int, balance: str = "none", kernel: str = "dense", *,
+                   ax=None) -> Figure:
+    """Which query-key blocks each rank attends to at one step of ring pass-KV, over the causal triangle.
+
+    Rows are queries, columns keys. At ring step s rank r holds its own
+    queries and the keys and values that started on rank (r - s) mod p: the
+    block is drawn in the rank's colour, solid for this step, faint for the
+    steps before it; a block wholly in the queries' future is outlined only
+    (skipped, no dot products). Each rank's label gives the pairs its kernel
+    computes at this step (``toyllm.simulate_ring.block_pairs``).
+    """
+    from .partition import even_partition, zigzag_chunks
+    from .simulate_ring import block_pairs, token_runs
+
+    if not 0 <= step < world_size:
+        raise ValueError(f"a ring of {world_size} ranks has steps 0 .. {world_size - 1}, got step {step}")
+    chunks = zigzag_chunks(context, world_size) if balance == "zigzag" else even_partition(context, world_size)
+    layout = token_runs(chunks, balance)
+    C, p = context, world_size
+    fig, ax = _new_axes(ax, figsize=(5.5, 5.5))
+    needed = [[1.0 if k <= q else 0.0 for k in range(C)] for q in range(C)]
+    ax.imshow(needed, cmap="Greys", vmin=0, vmax=3.5, extent=(0, C, C, 0), interpolation="nearest")
+    colors = plt.get_cmap("tab10")
+    for s in range(step + 1):
+        for r in range(p):
+            q_runs, k_runs = layout[r], layout[(r - s) % p]
+            pairs = block_pairs(q_runs, k_runs, kernel)
+            for a, b in q_runs:
+                for c, d in k_runs:
+                    if s < step and not pairs:
+                        continue
+                    ax.add_patch(Rectangle((c, a), d - c, b - a, fill=bool(pairs), facecolor=colors(r),
+                                           alpha=0.55 if s == step else 0.12, edgecolor=colors(r),
+                                           lw=2 if s == step else 0.5, ls="-" if pairs else "--"))
+            if s == step:
+                a, b = q_runs[0]
+                ax.text(C + 0.5, (a + b) / 2, f"rank {r}: {pairs:,} pairs" if pairs else f"rank {r}: skipped",
+                        va="center", fontsize=8, color=colors(r))
+    ax.set_xlim(0, C)
+    ax.set_ylim(C, 0)
+    ax.set_xlabel("key position")
+    ax.set_ylabel("query position")
+    ax.set_title(f"ring pass-KV, step {step} of {p - 1}, {balance} layout, {kernel} kernel", fontsize=9)
     fig.tight_layout()
     return fig

@@ -424,12 +424,14 @@ class PartitionExplorer(_Explorer):
 
 
 class NetworkExplorer(_Explorer):
-    """Bandwidth, context and processes -> simulated TTFT of one process, TSP and KVR (even split).
+    """Bandwidth, context and processes -> simulated TTFT of one process, TSP, KVR (even split) and ring.
 
     cfg, cost_model: the model shape and the ``CostModel`` whose link
-    bandwidth the slider replaces (GB/s = 1e9 bytes/s). Everything shown is
-    simulated. Kept as attributes: ``times_s`` (method -> seconds) and
-    ``speedup`` (method -> one process's TTFT / the method's).
+    bandwidth the slider replaces (GB/s = 1e9 bytes/s). Ring is pass-KV with
+    the zigzag balance (``simulate_prefill(..., "ring", balance="zigzag")``).
+    Everything shown is simulated. Kept as attributes: ``times_s`` (method ->
+    seconds), ``speedup`` (method -> one process's TTFT / the method's) and
+    ``fastest`` (the method with the shortest TTFT).
     """
 
     def __init__(self, cfg, cost_model, context: int = 4096, bandwidth_gbps: float = 10.0, world_size: int = 2,
@@ -446,7 +448,7 @@ class NetworkExplorer(_Explorer):
         self.update()
 
     def update(self) -> None:
-        from .partition import chunks_from_boundaries, even_partition
+        from .partition import even_partition, zigzag_chunks
         from .simulate import simulate_prefill
 
         cm = self.cost_model.with_link(self.bandwidth.value * 1e9)
@@ -455,11 +457,15 @@ class NetworkExplorer(_Explorer):
         self.times_s = {
             "one process": simulate_prefill(self.cfg, [C], "single", cm, record_events=False).ttft_s,
             f"TSP, p={p}": simulate_prefill(self.cfg, even, "tsp", cm, record_events=False).ttft_s,
-            f"KVR-E, p={p}": simulate_prefill(self.cfg, even, "kvr", cm, record_events=False).ttft_s}
+            f"KVR-E, p={p}": simulate_prefill(self.cfg, even, "kvr", cm, record_events=False).ttft_s,
+            f"ring (zigzag), p={p}": simulate_prefill(self.cfg, zigzag_chunks(C, p), "ring", cm, record_events=False,
+                                                      balance="zigzag").ttft_s}
         single = self.times_s["one process"]
         self.speedup = {k: single / t for k, t in self.times_s.items()}
-        self.text.value = "simulated: " + "; ".join(f"{k} {1e3 * t:.2f} ms ({self.speedup[k]:.2f}x)"
-                                                    for k, t in self.times_s.items())
+        self.fastest = min(self.times_s, key=self.times_s.get)
+        self.text.value = ("simulated: " + "; ".join(f"{k} {1e3 * t:.2f} ms ({self.speedup[k]:.2f}x)"
+                                                     for k, t in self.times_s.items())
+                           + f"<br>fastest here: <b>{self.fastest}</b>")
         if self.plot:
             self._show(viz.plot_bars({k: 1e3 * t for k, t in self.times_s.items()}, ylabel="TTFT (ms)",
                                      title=f"simulated, {C} tokens, {self.bandwidth.value:.3g} GB/s links"))
@@ -512,3 +518,47 @@ class PagingExplorer(_Explorer):
             self._show(viz.plot_bars({"tokens": self.used_bytes / mb, f"paged ({bs})": self.paged_bytes / mb,
                                       "static": self.static_bytes / mb}, ylabel="KV cache (MB)",
                                      title=f"{len(self.lengths)} sequences, KV memory reserved"))
+
+
+# --------------------------------------------------------------------------- lesson 09: ring attention
+
+class RingExplorer(_Explorer):
+    """Step through ring pass-KV: which blocks each rank attends to, and the work each rank has done so far.
+
+    Kept as attributes: ``pairs`` (pairs each rank's kernel computes at this
+    step) and ``total`` (each rank's pairs from step 0 through this one),
+    from ``toyllm.simulate_ring.block_pairs``.
+    """
+
+    def __init__(self, context: int = 24, world_size: int = 3, step: int = 0, balance: str = "none",
+                 kernel: str = "dense", plot: bool = True):
+        super().__init__(plot)
+        self.context = context
+        self.world_size = W.IntSlider(world_size, min=2, max=6, description="ranks p", **_SLIDER)
+        self.step = W.IntSlider(step, min=0, max=world_size - 1, description="ring step", **_SLIDER)
+        self.balance = W.ToggleButtons(options=["none", "zigzag"], value=balance, description="layout")
+        self.kernel = W.ToggleButtons(options=["dense", "causal"], value=kernel, description="kernel")
+        self._observe(self.world_size, self.step, self.balance, self.kernel)
+        self.widget = W.VBox([self.step, self.world_size, self.balance, self.kernel, self.text, self.out])
+        self.update()
+
+    def update(self) -> None:
+        from .partition import even_partition, zigzag_chunks
+        from .simulate_ring import block_pairs, token_runs
+
+        p = self.world_size.value
+        self.step.max = p - 1                      # clamps the step when the ring shrinks
+        s, balance, kernel = self.step.value, self.balance.value, self.kernel.value
+        chunks = zigzag_chunks(self.context, p) if balance == "zigzag" else even_partition(self.context, p)
+        layout = token_runs(chunks, balance)
+        done = [[block_pairs(layout[r], layout[(r - t) % p], kernel) for r in range(p)] for t in range(s + 1)]
+        self.pairs = done[-1]
+        self.total = [sum(col) for col in zip(*done)]
+        skipped = [r for r in range(p) if not self.pairs[r]]
+        self.text.value = (f"step {s}: rank r attends to the block that started on rank (r - {s}) mod {p}; pairs "
+                           f"computed per rank at this step {self.pairs}"
+                           + (f" (ranks {skipped} skip a block wholly in their future)" if skipped else "")
+                           + f"<br>so far, per rank: {self.total}; the busiest rank has done "
+                             f"{max(self.total) / max(1, min(self.total)):.2f}x the work of the idlest")
+        if self.plot:
+            self._show(viz.plot_ring_step(self.context, p, s, balance, kernel))
