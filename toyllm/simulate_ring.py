@@ -127,33 +127,51 @@ def simulate_ring(cfg, chunks: list[int], cm, noise, ranks, balance: str = "none
     p, L = len(chunks), cfg.n_layers
     layout = token_runs(chunks, balance)
     row_bytes = cfg.n_kv_heads * cfg.head_dim * cm.bytes_per_value     # one token's K (or V) in one layer
+    block_bytes = [2 * c * row_bytes for c in chunks]                  # K and V of each rank's tokens
     send_done = [0.0] * p              # when each rank's previous send is delivered
+
+    def attend(i: int, origin: int):
+        seconds = block_attention_s(cm, layout[i], layout[origin])
+        return None if seconds is None else (seconds, block_bytes[origin])     # None: in its future, passed on
+
     for layer in range(L):
         for r, c in zip(ranks, chunks):
             r.busy("compute", cm.layer_overhead_s + cm.step_s(cm.qkv_s_per_token * c, cm.qkv_weight_bytes), layer,
                    lambda: f"qkv of {c} tokens")
-        arrived = [0.0] * p            # when the block of the current step is at each rank
-        for step in range(p):
-            next_arrived = [0.0] * p
-            for i, (r, c) in enumerate(zip(ranks, chunks)):
-                origin = (i - step) % p
-                block_bytes = 2 * chunks[origin] * row_bytes             # K and V of rank origin's tokens
-                r.wait_until("recv_wait", arrived[i], layer, lambda: f"block {origin} from rank {(i - 1) % p}")
-                if step < p - 1:
-                    r.wait_until("send_wait", send_done[i], layer, lambda: "previous send still in flight")
-                    seconds = cm.transfer_s(block_bytes, noise(i, (i + 1) % p, layer, step))
-                    if r.events is not None:
-                        r.events.append(Event(i, "send", r.t, r.t + seconds, layer, f"ring step {step}"))
-                    send_done[i] = next_arrived[(i + 1) % p] = r.t + seconds
-                attend = block_attention_s(cm, layout[i], layout[origin])
-                if attend is None:                                       # in its future: only passed on
-                    continue
-                r.busy("compute", cm.step_s(attend, block_bytes), layer, lambda: f"attention over block {origin}")
-            arrived = next_arrived
+        ring_steps(ranks, cm, noise, layer, send_done, block_bytes.__getitem__, attend, "block {}",
+                   "attention over block {}")
         for r, c in zip(ranks, chunks):
             r.busy("compute", cm.step_s(cm.mlp_s_per_token * c, cm.mlp_weight_bytes), layer,
                    lambda: f"o_proj + MLP of {c} tokens")
     return [r.t for r in ranks]
+
+
+def ring_steps(ranks, cm, noise, layer: int, send_done: list[float], block_bytes, attend, block: str,
+               work: str) -> None:
+    """One layer's p ring steps, pass-KV or pass-Q: each rank waits for the block of step s (from rank r - 1),
+    sends it on to rank r + 1 once its previous send is delivered (not at the last step), then computes on it.
+
+    block_bytes(origin): bytes of the block that started on rank ``origin``; attend(rank, origin): (seconds,
+    bytes read) of the rank's compute on it, or None to only pass it on; block, work: labels, "{}" the origin.
+    ``send_done`` (when each rank's last send is delivered) is updated.
+    """
+    p = len(ranks)
+    arrived = [0.0] * p                # when the block of the current step is at each rank
+    for step in range(p):
+        next_arrived = [0.0] * p
+        for i, r in enumerate(ranks):
+            origin = (i - step) % p
+            r.wait_until("recv_wait", arrived[i], layer, lambda: f"{block.format(origin)} from rank {(i - 1) % p}")
+            if step < p - 1:
+                r.wait_until("send_wait", send_done[i], layer, lambda: "previous send still in flight")
+                seconds = cm.transfer_s(block_bytes(origin), noise(i, (i + 1) % p, layer, step))
+                if r.events is not None:
+                    r.events.append(Event(i, "send", r.t, r.t + seconds, layer, f"ring step {step}"))
+                send_done[i] = next_arrived[(i + 1) % p] = r.t + seconds
+            cost = attend(i, origin)
+            if cost is not None:
+                r.busy("compute", cm.step_s(*cost), layer, lambda: work.format(origin))
+        arrived = next_arrived
 
 
 def _simulate_pass_q(cfg, chunks: list[int], cm, noise, ranks, balance: str, cached: int) -> list[float]:
@@ -171,21 +189,10 @@ def _simulate_pass_q(cfg, chunks: list[int], cm, noise, ranks, balance: str, cac
         for r, c in zip(ranks, chunks):
             r.busy("compute", cm.layer_overhead_s + cm.step_s(cm.qkv_s_per_token * c, cm.qkv_weight_bytes), layer,
                    lambda: f"qkv of {c} tokens")
-        arrived = [0.0] * p            # when the queries of the current step are at each rank
-        for step in range(p):
-            next_arrived = [0.0] * p
-            for i, r in enumerate(ranks):
-                origin = (i - step) % p
-                r.wait_until("recv_wait", arrived[i], layer, lambda: f"queries {origin} from rank {(i - 1) % p}")
-                if step < p - 1:
-                    r.wait_until("send_wait", send_done[i], layer, lambda: "previous send still in flight")
-                    seconds = cm.transfer_s(chunks[origin] * q_bytes, noise(i, (i + 1) % p, layer, step))
-                    if r.events is not None:
-                        r.events.append(Event(i, "send", r.t, r.t + seconds, layer, f"ring step {step}"))
-                    send_done[i] = next_arrived[(i + 1) % p] = r.t + seconds
-                attend = block_attention_s(cm, new[origin], held[i]) or 0.0   # cached keys: never skipped
-                r.busy("compute", cm.step_s(attend, kv_read[i]), layer, lambda: f"attention of queries {origin}")
-            arrived = next_arrived
+        ring_steps(ranks, cm, noise, layer, send_done, lambda origin: chunks[origin] * q_bytes,
+                   # the cached keys are seen by every query: no block is skipped
+                   lambda i, origin: (block_attention_s(cm, new[origin], held[i]) or 0.0, kv_read[i]),
+                   "queries {}", "attention of queries {}")
         back = [[0.0] * p for _ in range(p)]          # back[owner][sender]: when that partial output is home
         for i, r in enumerate(ranks):
             if p == 1:
