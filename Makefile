@@ -17,7 +17,7 @@ CHECK_PY = @$(PY) -c 'import sys; v = sys.version_info[:3]; sys.exit(0 if (3, 11
 	  "toyllm needs Python 3.11.5 or a later 3.11 (requirements.lock is resolved for it); %s is Python %d.%d.%d. Install one (e.g. with pyenv) and run make PY=/path/to/python3.11 ..." % (sys.executable, *v))'
 CHROMIUM_HINT := the browser test needs Debian's Chromium and its driver: apt-get install chromium chromium-driver
 
-.PHONY: setup demo test test-browser lab bench exercises student autograder lock clean
+.PHONY: setup demo test test-browser gpu-check lab bench exercises student autograder lock clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,16 @@ test: setup
 test-browser: setup
 	@test -x /usr/bin/chromium && test -x /usr/bin/chromedriver || { echo "make test-browser: $(CHROMIUM_HINT)"; exit 1; }
 	TOYLLM_IMPL=solutions TOYLLM_FAST=1 $(PYTHON) -m pytest -m browser tests/browser
+
+# The GPU tests (tests/gpu: the model on CUDA against the CPU's logits, every parallel method on NCCL with one
+# rank per GPU), then CUDA timings of one process and each method (python -m toyllm.gpu_check). It needs a
+# CUDA build of PyTorch in .venv (docs/testing.md, "GPU check"); without a CUDA GPU it says so and exits 0.
+gpu-check: setup
+	@$(PYTHON) -m toyllm.gpu_check --probe; status=$$?; \
+	if [ $$status -eq 3 ]; then exit 0; elif [ $$status -ne 0 ]; then exit $$status; fi; \
+	set -e; \
+	TOYLLM_IMPL=solutions $(PYTHON) -m pytest -m gpu tests/gpu -rs; \
+	TOYLLM_IMPL=solutions $(PYTHON) -m toyllm.gpu_check
 
 lab: setup
 	$(VENV)/bin/jupyter lab notebooks/

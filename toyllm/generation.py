@@ -235,7 +235,7 @@ def generate(model, prompt_ids: list[int] | list[list[int]], max_new_tokens: int
     B, T = prompts.shape
     t0 = time.perf_counter()
     if method == "cached" and isinstance(cache, str):
-        cache = make_cache(cache, model.config, max(2, T + max_new_tokens), batch=B)
+        cache = make_cache(cache, model.config, max(2, T + max_new_tokens), batch=B, device=device)   # where the model is
 
     # One buffer holds prompt and answer: the naive method reads growing slices of it, the
     # cached one feeds back the newest column; no step allocates its input.

@@ -135,6 +135,17 @@ def _resolve_backend(backend: str, n_local_ranks: int) -> str:
     return backend
 
 
+def process_group_backend(backend: str) -> str:
+    """What ``init_process_group`` gets for ``backend`` ("gloo" or "nccl").
+
+    NCCL moves only CUDA tensors, and the engine also sends small CPU
+    tensors beside its GPU data (the simulated link's timestamps travel with
+    every KV-Runahead and ring message, link or not). So a "nccl" group is
+    "cpu:gloo,cuda:nccl": each tensor goes through the backend of its device.
+    """
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
 def _check_world_size(world_size: int) -> None:
     check_int(world_size, "world_size must be an int >= 1 (the number of processes)", 1)
 
@@ -254,8 +265,8 @@ def _worker_main(rank: int, world_size: int, backend: str, port: int, pg_timeout
                 torch.cuda.set_device(device)
             timeout = timedelta(seconds=pg_timeout_s)
             store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=timeout)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-                                    device_id=device if backend == "nccl" else None)
+            dist.init_process_group(process_group_backend(backend), store=store, rank=rank, world_size=world_size,
+                                    timeout=timeout, device_id=device if backend == "nccl" else None)
             ctx = RankContext(rank, world_size, backend, device)
         except BaseException:
             _send(conn, ("error", traceback.format_exc()))
@@ -587,7 +598,7 @@ def init_from_env(backend: str = "auto", timeout_s: float = 120.0) -> RankContex
     if backend == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+    dist.init_process_group(process_group_backend(backend), init_method="env://", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s),
                             device_id=device if backend == "nccl" else None)
     return RankContext(rank, world_size, backend, device)
