@@ -11,7 +11,7 @@ from test_parallel import ATOL, CONTEXT, SPECS, _assert_matches, _ids, kernel_re
 from toyllm import generate
 from toyllm.cli import main
 from toyllm.parallel import ModelSpec, parallel_prefill, ring_traffic, single_prefill
-from toyllm.parallel.ring import partial_attention
+from toyllm.attention import partial_attention
 
 PARTITIONS = {2: [30, 7], 3: [20, 1, 16], 4: [10, 12, 14, 1]}
 

@@ -227,7 +227,7 @@ def _plain(q, k, v, causal: bool):
     scores = torch.einsum("bhtd,bhsd->bhts", q, k) * q.shape[-1] ** -0.5      # (B, H, T, S)
     if causal:
         T, S = scores.shape[-2:]
-        scores = scores.masked_fill(torch.ones(T, S, dtype=torch.bool).triu(S - T + 1), float("-inf"))
+        scores = scores.masked_fill(torch.ones(T, S, dtype=torch.bool, device=scores.device).triu(S - T + 1), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     return torch.exp(scores - lse[..., None]) @ v, lse
 
@@ -248,6 +248,9 @@ def attention_with_lse(q, k, v, causal: bool = False):
     return _plain(q, k, v, causal)
 
 
+@shortcut("9.1",
+          ships="the causal kernel's merge of its two fused calls (lesson 05 shows it), each over keys every row "
+                "sees; ring attention merges through merge, Exercise 9.1's entry")
 def merge_partials(out_a, lse_a, out_b, lse_b):
     """Combine attention over two disjoint sets of keys: weight each by its share of the softmax mass."""
     lse = torch.logaddexp(lse_a, lse_b)                                  # (B, H, T)
@@ -304,3 +307,76 @@ def causal_attention(q, k, v, q_pos, k_pos):
 
 
 ATTENTION_KERNELS.update(blockwise=blockwise_attention, causal=causal_attention)
+
+
+# --------------------------------------------------------------------------- attention over one block of keys
+
+# Ring attention (lesson 09) attends a rank's queries to one block of keys at a time and merges the
+# partial outputs by their log-sum-exps. The two exercises of that merge and of one block's masked
+# attention run inside the engine through the entries below; ``partial_attention`` picks the fused
+# kernels where a pair of runs needs no mask.
+
+def runs(pos: torch.Tensor) -> list[tuple[int, int]]:
+    """Index ranges [a, b) of the contiguous runs of increasing positions (a zigzag rank has two)."""
+    breaks = (torch.nonzero(pos.diff() != 1).flatten() + 1).tolist()
+    bounds = [0, *breaks, len(pos)]
+    return list(zip(bounds, bounds[1:]))
+
+
+def sees_any(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
+    """False when every key is in the future of every query (positions increase along each)."""
+    return int(k_pos[0]) <= int(q_pos[-1])
+
+
+@answer("9.1", "Ring attention's merge of partial outputs")
+def merge(a: tuple, b: tuple) -> tuple:
+    """Partials (out, lse) over two disjoint sets of keys as one (out, lse) (Exercise 9.1)."""
+    return exercise("9.1")(a, b)
+
+
+@answer("9.2", "Ring attention's attention over one block", function="block_attention")
+def masked_partial(q, k, v, q_pos, k_pos):
+    """Attention of q (B, H, T, D) over one block k, v (B, Hkv, S, D), masked by positions: out, lse (Exercise 9.2).
+
+    A query that sees none of these keys gets out 0 and lse -inf, which the merge weighs 0.
+    """
+    return exercise("9.2")(q, k, v, q_pos, k_pos)
+
+
+@shortcut("9.2",
+          ships="fused kernels for the pairs of runs that need no mask, which Exercise 9.2 does not teach; every "
+                "pair that needs one goes to masked_partial, the exercise's entry")
+def partial_attention(q, k, v, q_pos, k_pos, skip_masked: bool):
+    """Attention of q (B, H, T, D) over one block k, v (B, Hkv, S, D): out (B, H, T, D), lse (B, H, T).
+
+    skip_masked False (the dense kernel): the whole T x S rectangle, then
+    the mask (``masked_partial``). True (the causal kernel): run by run, a
+    pair of runs wholly in the future is skipped, one wholly in the past is
+    attended without a mask by the fused kernel, a causal square (the same
+    positions) with it too; anything else is masked. The caller skips a
+    block no query sees.
+    """
+    if not skip_masked:
+        return masked_partial(q, k, v, q_pos, k_pos)
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    out = q.new_zeros(B, H, T, D)
+    lse = q.new_full((B, H, T), float("-inf"), dtype=torch.float32)
+    for a, b in runs(q_pos):
+        for c, d in runs(k_pos):
+            kp, kr, vr = k_pos[c:d], k[..., c:d, :], v[..., c:d, :]
+            if not sees_any(q_pos[a:b], kp):
+                continue                                                  # no dot products at all
+            lo = a + int(torch.searchsorted(q_pos[a:b], kp[0]))          # the first query that sees a key
+            qp, qr = q_pos[lo:b], q[..., lo:b, :]
+            if int(kp[-1]) <= int(qp[0]):                                 # every key visible: no mask
+                o, l = attention_with_lse(group_queries(qr.contiguous(), Hkv), kr, vr)
+                o, l = o.reshape(B, H, b - lo, D), l.reshape(B, H, b - lo)
+            elif torch.equal(qp, kp):                                     # a causal square
+                group = H // Hkv
+                o, l = attention_with_lse(qr, kr.repeat_interleave(group, 1), vr.repeat_interleave(group, 1),
+                                          causal=True)
+            else:
+                o, l = masked_partial(qr, kr, vr, qp, kp)
+            out[..., lo:b, :], lse[..., lo:b] = merge((out[..., lo:b, :], lse[..., lo:b]), (o, l))
+    return out, lse

@@ -68,21 +68,29 @@ def visible_pairs(q: tuple[int, int], k: tuple[int, int]) -> int:
     return diagonal + max(0, b - max(a, d)) * (d - c)     # queries past the block see it all
 
 
+def block_pairs(q_runs: Runs, k_runs: Runs, kernel: str = "dense") -> int:
+    """Query-key pairs a rank's kernel computes for one block: 0 when every key is in every query's future.
+
+    The dense kernel computes the whole rectangle (the engine masks it), the
+    causal one only the visible pairs.
+    """
+    if k_runs[0][0] >= q_runs[-1][1]:
+        return 0                                          # skipped: no dot products at all
+    if kernel == "dense":
+        return sum(b - a for a, b in q_runs) * sum(d - c for c, d in k_runs)
+    return sum(visible_pairs(q, k) for q in q_runs for k in k_runs)
+
+
 def block_attention_s(cm, q_runs: Runs, k_runs: Runs) -> float | None:
     """Seconds of one rank's queries attending over one block, or None if no query sees a key (skipped).
 
-    The dense kernel computes the whole rectangle (the engine masks it), the
-    causal one only the visible pairs; the unaligned surcharge as in ``CostModel.attention_s``.
+    Pairs as ``block_pairs`` counts them; the unaligned surcharge as in ``CostModel.attention_s``.
     """
-    if k_runs[0][0] >= q_runs[-1][1]:
-        return None                                       # every key in every query's future
-    keys = sum(d - c for c, d in k_runs)
-    if cm.attention_pairs == "dense":
-        pairs = sum(b - a for a, b in q_runs) * keys
-    else:
-        pairs = sum(visible_pairs(q, k) for q in q_runs for k in k_runs)
+    pairs = block_pairs(q_runs, k_runs, cm.attention_pairs)
+    if not pairs:
+        return None
     per_pair = cm.attn_s_per_dot
-    if keys % cm.key_alignment:
+    if sum(d - c for c, d in k_runs) % cm.key_alignment:
         per_pair += cm.attn_unaligned_s_per_dot
     return per_pair * pairs
 

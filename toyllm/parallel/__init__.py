@@ -39,12 +39,11 @@ from .comm import AllGather, Chain, LinkModel, Ring
 from .link import LinkMeasurement, measure_link
 from .runner import (METHODS, ModelSpec, PrefillResult, check_prefill_request, measured_cost,
                      parallel_prefill, prefill_rank, single_prefill, torchrun_main)
-from .ring import (RING_BALANCES, RING_PASSES, partial_attention, ring_pass_kv_layer, ring_pass_q_layer,
-                   ring_traffic)
+from .ring import RING_BALANCES, RING_PASSES, ring_pass_kv_layer, ring_pass_q_layer, ring_traffic
 from .steps import (TSP_BALANCES, RankPositions, default_step, kvr_layer, kvr_layer_blocking, tsp_layer,
                     tsp_trimmed_layer, tsp_zigzag_layer)
 
-__all__ = ["AllGather", "Chain", "LinkModel", "Ring", "RING_BALANCES", "RING_PASSES", "partial_attention",
+__all__ = ["AllGather", "Chain", "LinkModel", "Ring", "RING_BALANCES", "RING_PASSES",
            "ring_pass_kv_layer", "ring_pass_q_layer", "ring_traffic", "LinkMeasurement", "measure_link", "METHODS",
            "ModelSpec",
            "PrefillResult", "check_prefill_request", "measured_cost", "parallel_prefill", "prefill_rank", "single_prefill", "torchrun_main",

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..attention import partial_attention, runs
 from ..timeline import Timeline
 
 
@@ -251,8 +252,10 @@ class Ring(_Comm):
     """
 
     def __init__(self, rank: int, chunks: list[int], timeline: Timeline, link: LinkModel | None = None,
-                 rng: random.Random | None = None, held=None, held_pos: torch.Tensor | None = None):
+                 rng: random.Random | None = None, held=None, held_pos: torch.Tensor | None = None,
+                 layout: list[torch.Tensor] | None = None):
         super().__init__(rank, chunks, timeline, link, rng)
+        self.first_positions = {int(t[0]): r for r, t in enumerate(layout or [])}   # names a block by its rank
         self.next, self.prev = (rank + 1) % self.world_size, (rank - 1) % self.world_size
         self.held, self.held_pos = held, held_pos
         self._keep: list = []        # buffers of the sends in flight: they must live until delivered
@@ -265,6 +268,22 @@ class Ring(_Comm):
         """This rank's cached keys, values (B, Hkv, n_r, D) of the current layer and their positions (n_r,)."""
         k, v = self.held.keys(self.layer), self.held.values(self.layer)
         return k, v, self.held_pos
+
+    def attend(self, q, k, v, q_pos, k_pos, attention, label: str | None = None):
+        """Attention of q (B, H, T, D) over one block k, v (B, Hkv, S, D): out (B, H, T, D), lse (B, H, T).
+
+        The compute of one ring step, recorded on the timeline as "attention
+        over block r" (r: the rank the block started on, when the ring was
+        given every rank's positions, ``layout``), else by the keys' positions. A kernel that skips
+        masked work (``attention.skips_masked``) gets fused calls wherever a
+        pair of runs needs no mask (``toyllm.attention.partial_attention``).
+        """
+        if label is None:
+            origin = self.first_positions.get(int(k_pos[0]))
+            label = (f"attention over block {origin}" if origin is not None else
+                     "attention over keys " + ", ".join(f"{int(k_pos[a])}-{int(k_pos[b - 1])}" for a, b in runs(k_pos)))
+        with self.tl.span("compute", self.layer, label):
+            return partial_attention(q, k, v, q_pos, k_pos, getattr(attention, "skips_masked", False))
 
     def pass_on(self, step: int, *block: torch.Tensor) -> "_Incoming":
         """Send ``block`` (tensors of equal shape, tokens on dim -2) to rank+1; receive the next from rank-1.

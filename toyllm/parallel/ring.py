@@ -8,8 +8,8 @@ computes the attention of what it holds against the block in hand while
 the next block travels (``Ring.pass_on``: isend/irecv posted before the
 compute). Attention over one block gives a partial output and each
 query's log-sum-exp (lse); partials over disjoint sets of keys merge
-exactly by their lses (``toyllm.attention.merge_partials``, the same merge
-the causal kernel uses), so the result equals one process's.
+exactly by their lses (``toyllm.attention.merge``), so the result equals
+one process's.
 
 - **pass-KV** (``ring_pass_kv_layer``, ``prefill --method ring``): the
   keys and values travel. A block wholly in the future of a rank's
@@ -52,7 +52,8 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import attention_with_lse, group_queries, merge_partials
+from ..answers import answer, exercise, shortcut
+from ..attention import merge
 from ..cache import DynamicKVCache
 from ..timeline import Timeline
 from .comm import AllGather
@@ -61,131 +62,45 @@ RING_PASSES = ("kv", "q")
 RING_BALANCES = ("none", "zigzag")
 
 
-# --------------------------------------------------------------------------- one block of keys
-
-def runs(pos: torch.Tensor) -> list[tuple[int, int]]:
-    """Index ranges [a, b) of the contiguous runs of increasing positions (a zigzag rank has two)."""
-    breaks = (torch.nonzero(pos.diff() != 1).flatten() + 1).tolist()
-    bounds = [0, *breaks, len(pos)]
-    return list(zip(bounds, bounds[1:]))
-
-
-def sees_any(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
-    """False when every key is in the future of every query (positions increase along each)."""
-    return int(k_pos[0]) <= int(q_pos[-1])
-
-
-def merge(a: tuple, b: tuple) -> tuple:
-    """Partials (out, lse) over two disjoint sets of keys as one: ``merge_partials``'s output, the joint lse."""
-    return merge_partials(*a, *b), torch.logaddexp(a[1], b[1])
-
-
-def masked_partial(q, k, v, q_pos, k_pos):
-    """Every dot product of q (B, H, T, D) with k (B, Hkv, S, D), the causal mask by positions, and the lse.
-
-    Returns out (B, H, T, D) and lse (B, H, T) in float32; a query that sees
-    none of these keys gets out 0 and lse -inf, which the merge weighs 0.
-    """
-    B, H, T, D = q.shape
-    Hkv = k.shape[1]
-    qg = q.reshape(B, Hkv, H // Hkv, T, D)                               # the G heads sharing a K/V head
-    scores = torch.einsum("bkgtd,bksd->bkgts", qg, k).float() * D ** -0.5   # (B, Hkv, G, T, S)
-    hidden = k_pos[None, :] > q_pos[:, None]                             # (T, S): keys in a query's future
-    scores = scores.masked_fill(hidden, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)                                # (B, Hkv, G, T)
-    weights = torch.exp(scores - lse[..., None]).nan_to_num(0.0)         # a row with no key: 0, not nan
-    out = torch.einsum("bkgts,bksd->bkgtd", weights, v.float())
-    return out.reshape(B, H, T, D).to(q.dtype), lse.reshape(B, H, T)
-
-
-def partial_attention(q, k, v, q_pos, k_pos, skip_masked: bool):
-    """Attention of q (B, H, T, D) over one block k, v (B, Hkv, S, D): out (B, H, T, D), lse (B, H, T).
-
-    skip_masked False (the dense kernel): the whole T x S rectangle, then
-    the mask. True (the causal kernel): run by run, a pair of runs wholly in
-    the future is skipped, one wholly in the past is attended without a
-    mask by the fused kernel, a causal square (the same positions) with it
-    too; anything else is masked. The caller skips a block no query sees.
-    """
-    if not skip_masked:
-        return masked_partial(q, k, v, q_pos, k_pos)
-    B, H, T, D = q.shape
-    Hkv = k.shape[1]
-    out = q.new_zeros(B, H, T, D)
-    lse = q.new_full((B, H, T), float("-inf"), dtype=torch.float32)
-    for a, b in runs(q_pos):
-        for c, d in runs(k_pos):
-            kp, kr, vr = k_pos[c:d], k[..., c:d, :], v[..., c:d, :]
-            if not sees_any(q_pos[a:b], kp):
-                continue                                                  # no dot products at all
-            lo = a + int(torch.searchsorted(q_pos[a:b], kp[0]))          # the first query that sees a key
-            qp, qr = q_pos[lo:b], q[..., lo:b, :]
-            if int(kp[-1]) <= int(qp[0]):                                 # every key visible: no mask
-                o, l = attention_with_lse(group_queries(qr.contiguous(), Hkv), kr, vr)
-                o, l = o.reshape(B, H, b - lo, D), l.reshape(B, H, b - lo)
-            elif torch.equal(qp, kp):                                     # a causal square
-                group = H // Hkv
-                o, l = attention_with_lse(qr, kr.repeat_interleave(group, 1), vr.repeat_interleave(group, 1),
-                                          causal=True)
-            else:
-                o, l = masked_partial(qr, kr, vr, qp, kp)
-            # rows are merged only where this pair gave them keys: a merge of two empty partials is nan
-            out[..., lo:b, :], lse[..., lo:b] = merge((out[..., lo:b, :], lse[..., lo:b]), (o, l))
-    return out, lse
-
-
 # --------------------------------------------------------------------------- the two steps
 
+@answer("9.3", "Ring attention (pass-KV)")
 def ring_pass_kv_layer(layer, x, pos, ring, attention):
-    """Ring pass-KV: keys and values go round the ring; this rank's queries stay (see the module docstring)."""
-    cos, sin = pos.cos, pos.sin                               # RoPE angles of this rank's tokens
-    q, k, v = layer.qkv(x, cos, sin)                          # (B, H, c_r, D), (B, Hkv, c_r, D) x 2
-    skip = getattr(attention, "skips_masked", False)
-    p = ring.world_size
-    block, acc = (k, v), None
-    for step in range(p):
-        origin = ring.origin(step)                             # whose keys and values are in hand
-        incoming = ring.pass_on(step, *block) if step < p - 1 else None   # the next block travels meanwhile
-        k_pos = pos.layout[origin]
-        if sees_any(pos.q_pos, k_pos):                         # a block wholly in the future costs nothing
-            with ring.tl.span("compute", ring.layer, f"attention over block {origin}"):
-                part = partial_attention(q, *block, pos.q_pos, k_pos, skip)
-            # step 0 is this rank's own block, where every query sees itself: acc starts there
-            acc = part if acc is None else merge(acc, part)
-        if incoming is not None:
-            block = incoming.wait()
-    return layer.finish(x, layer.project(acc[0])), k, v
+    """Ring pass-KV: keys and values go round the ring; this rank's queries stay (Exercise 9.3)."""
+    return exercise("9.3")(layer, x, pos, ring, attention)
 
 
+@shortcut("9.3",
+          ships="pass-Q, which the lesson runs and no exercise asks for; its blocks go through Ring.attend and "
+                "merge, the entries of Exercises 9.2 and 9.1")
 def ring_pass_q_layer(layer, x, pos, ring, attention):
     """Ring pass-Q: the queries go round; each partial output returns to its owner (see the module docstring).
 
     Returns this rank's whole KV cache: its shard of the earlier tokens
     followed by its new tokens (positions ``ring.held_pos``, then ``pos.q_pos``).
     """
-    cos, sin = pos.cos, pos.sin
-    q, k, v = layer.qkv(x, cos, sin)                          # this rank's new tokens
+    cos, sin = pos.cos, pos.sin                               # RoPE angles of this rank's new tokens
+    q, k, v = layer.qkv(x, cos, sin)
     held_k, held_v, held_pos = ring.held_kv()                 # (B, Hkv, n_r, D): its shard of the cache
     keys = torch.cat([held_k, k], dim=-2)                     # (B, Hkv, n_r + c_r, D)
     values = torch.cat([held_v, v], dim=-2)
     k_pos = torch.cat([held_pos, pos.q_pos])
-    skip = getattr(attention, "skips_masked", False)
-    p = ring.world_size
-    block, partials = (q,), {}
-    for step in range(p):
+    queries, partials = q, {}
+    last = ring.world_size - 1
+    for step in range(last + 1):
         origin = ring.origin(step)                             # whose queries are in hand
-        incoming = ring.pass_on(step, *block) if step < p - 1 else None
-        q_pos = pos.layout[origin]
-        with ring.tl.span("compute", ring.layer, f"attention of queries {origin}"):
-            # every rank holds cached tokens, which every new query sees: no block is skipped
-            partials[origin] = partial_attention(block[0], keys, values, q_pos, k_pos, skip)
-        if incoming is not None:
-            block = incoming.wait()
+        travelling = None if step == last else ring.pass_on(step, queries)
+        # every rank holds cached tokens, which every new query sees: no block is skipped
+        partials[origin] = ring.attend(queries, keys, values, pos.layout[origin], k_pos, attention,
+                                       f"attention of queries {origin}")
+        if travelling is not None:
+            (queries,) = travelling.wait()
     parts = ring.return_partials(partials)                     # this rank's queries, against every shard
     acc = parts[0]
     for part in parts[1:]:
         acc = merge(acc, part)
-    return layer.finish(x, layer.project(acc[0])), keys, values
+    out, _ = acc
+    return layer.finish(x, layer.project(out)), keys, values
 
 
 def ring_step(ring_pass: str = "kv"):
@@ -232,15 +147,11 @@ def gather_cache(cache: DynamicKVCache, positions: list[torch.Tensor], rank: int
     return whole
 
 
+@answer("9.4", "Choosing what travels round the ring")
 def ring_traffic(new_tokens: int, cached_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int,
                  world_size: int, bytes_per_value: int = 4) -> dict:
-    """Bytes sent over all links in one layer by pass-KV and by pass-Q, and the pass that sends fewer.
+    """Bytes all links carry in one layer for pass-KV and pass-Q, and the pass that sends fewer (Exercise 9.4).
 
-    Pass-KV: every token's K and V (cached and new) reach the p - 1 other
-    ranks. Pass-Q: every new token's query reaches them, and the partial
-    outputs with their lses come back. Even chunks assumed.
+    Returns {"kv": bytes, "q": bytes, "choose": "kv" or "q"}; even chunks assumed.
     """
-    p, C, N = world_size, new_tokens, cached_tokens
-    kv = (p - 1) * (N + C) * 2 * n_kv_heads * head_dim * bytes_per_value
-    q = (p - 1) * C * (n_heads * head_dim + n_heads * (head_dim + 1)) * bytes_per_value
-    return {"kv": kv, "q": q, "choose": "q" if q < kv else "kv"}
+    return exercise("9.4")(new_tokens, cached_tokens, n_heads, n_kv_heads, head_dim, world_size, bytes_per_value)

@@ -232,7 +232,8 @@ def prefill_rank(ctx: RankContext, spec: ModelSpec, ids: list[int], method: str,
         if method == "tsp":
             comm = AllGather(rank, chunks, tl, link, rng)
         elif method == "ring":
-            comm = Ring(rank, chunks, tl, link, rng, held, held_layout[rank].to(ctx.device) if cached else None)
+            comm = Ring(rank, chunks, tl, link, rng, held, held_layout[rank].to(ctx.device) if cached else None,
+                        layout=layout)
         else:
             comm = Chain(rank, chunks, tl, batch=1, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                          dtype=model.rope_cos.dtype, device=ctx.device, link=link, rng=rng)
@@ -298,7 +299,7 @@ def _held_cache(ctx: RankContext, model, ids: list[int], balance: str):
     chunks = zigzag_chunks(len(ids), p) if balance == "zigzag" else even_partition(len(ids), p)
     layout = token_layout(chunks, balance)
     pos, ids_t = _rank_tokens(model, ids, layout, ctx.rank, ctx.device)
-    ring = Ring(ctx.rank, chunks, Timeline(ctx.rank))                   # a timeline nobody reads
+    ring = Ring(ctx.rank, chunks, Timeline(ctx.rank), layout=layout)     # a timeline nobody reads
     _, cache = _layers(model, ids_t, pos, ring_pass_kv_layer, ring, ring.tl, "ring", balance, chunks)
     ring.drain()
     return cache, layout
