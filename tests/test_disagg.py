@@ -71,7 +71,7 @@ def test_a_kv_runahead_prefill_ships_its_last_ranks_cache_in_one_message(model, 
     assert r.prefill_ranks == 2 and len(r.prefill_runs) == len(r.transfer_runs) == 1
 
 
-@pytest.mark.needs("8.4")
+@pytest.mark.needs("8.4", "9.1", "9.2", "9.3")
 @pytest.mark.timeout(180)
 def test_a_ring_prefill_ships_the_shards_gathered_on_its_last_rank(model, reference):
     logits, _, tokens = reference

@@ -20,7 +20,7 @@ CONTEXT = 37
 # (method, extra arguments, the exercise it runs): in the student edition an unwritten one skips the case.
 CASES = [pytest.param("tsp", [], marks=pytest.mark.needs("4.2"), id="tsp"),
          pytest.param("kvr", ["--partition", "30,7"], marks=pytest.mark.needs("5.2"), id="kvr"),
-         pytest.param("ring", [], id="ring")]
+         pytest.param("ring", [], marks=pytest.mark.needs("9.1", "9.2", "9.3"), id="ring")]
 
 
 def _node(port: int, run_id: str, method: str, extra: list[str]) -> subprocess.Popen:

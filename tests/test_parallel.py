@@ -36,6 +36,7 @@ CASES = [(p, part) for p, parts in PARTITIONS.items() for part in parts]
 # The engine's per-layer steps are exercises: TSP is 4.2, overlapped KV-Runahead 5.2, blocking 5.1. In the
 # student edition a test marked with what it runs is skipped, naming the exercise, before it starts any work.
 TSP, KVR, KVR_BLOCKING = pytest.mark.needs("4.2"), pytest.mark.needs("5.2"), pytest.mark.needs("5.1")
+RING = pytest.mark.needs("9.1", "9.2", "9.3")          # ring attention runs the three ring exercises
 METHODS = [pytest.param("tsp", marks=TSP), pytest.param("kvr", marks=KVR)]
 
 
@@ -245,7 +246,7 @@ def test_a_failed_task_on_a_shared_pool_leaves_the_next_test_a_running_one(pools
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("method", [pytest.param("kvr", marks=KVR), "ring"])
+@pytest.mark.parametrize("method", [pytest.param("kvr", marks=KVR), pytest.param("ring", marks=RING)])
 def test_torchrun_runs_the_same_prefill(method):
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",

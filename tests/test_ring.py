@@ -134,6 +134,7 @@ def test_bad_ring_flags_exit_2_with_one_clear_line(capsys, argv, message):
     assert err.startswith("error: ") and pytest.importorskip("re").search(message, err)
 
 
+@pytest.mark.needs("9.1", "9.2", "9.3")
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("flags", [["--balance", "zigzag"], ["--pass", "q", "--cached", "24"]])
 def test_prefill_ring_on_the_command_line(capsys, flags):
@@ -146,3 +147,22 @@ def test_prefill_ring_on_the_command_line(capsys, flags):
     assert out["method"] == "ring" and out["agrees"] and out["max_abs_logit_diff"] < ATOL
     assert out["decoded"][0] == out["first_token"] and len(out["decoded"]) == 3
     assert out["ring_pass"] == ("q" if "q" in flags else "kv") and out["context"] == 16 + out["cached"]
+
+
+def test_the_ring_explorer_counts_each_ranks_blocks_as_the_engine_skips_them():
+    from toyllm import viz
+    from toyllm.widgets import RingExplorer
+
+    view = RingExplorer(context=24, world_size=3, plot=False)
+    per_step = []
+    for s in range(3):
+        view.step.value = s
+        per_step.append(view.pairs)
+    # contiguous chunks of 8, dense kernel: rank r attends to r + 1 whole 8 x 8 blocks, the rest are skipped
+    assert per_step == [[64, 64, 64], [0, 64, 64], [0, 0, 64]] and view.total == [64, 128, 192]
+    view.balance.value, view.kernel.value = "zigzag", "causal"
+    assert view.total == [100, 100, 100] and sum(view.total) == 24 * 25 // 2   # equal shares of the triangle
+    view.world_size.value = 2                                 # the step slider follows the smaller ring
+    assert view.step.max == 1 and view.step.value == 1
+    with pytest.raises(ValueError, match="steps 0 .. 1"):
+        viz.plot_ring_step(12, 2, 2)

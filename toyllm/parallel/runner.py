@@ -424,6 +424,8 @@ def parallel_prefill(spec: ModelSpec | str, ids: list[int], method: str = "kvr",
     get_attention(spec.attention)
     if step is None and method in ("tsp", "kvr"):
         default_step(method, overlap, balance)
+    elif step is None and method == "ring":
+        ring_step(ring_pass)
     if method == "single":
         if step is not None:
             raise ValueError("step= plugs a per-layer step into a parallel method ('tsp' or 'kvr'), not 'single'")
