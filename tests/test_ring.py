@@ -63,20 +63,22 @@ def test_decoding_continues_from_the_ring_caches(pools, p, balance):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("cached, new, p, balance, kernel", [
-    (25, 12, 2, "none", "dense"),
-    (30, 7, 3, "none", "causal"),
-    (16, 21, 4, "zigzag", "causal"),
-    (29, 8, 2, "zigzag", "dense"),
+@pytest.mark.parametrize("ring_pass, cached, new, p, balance, kernel", [
+    ("q", 25, 12, 2, "none", "dense"),
+    ("q", 30, 7, 3, "none", "causal"),
+    ("q", 16, 21, 4, "zigzag", "causal"),
+    ("q", 29, 8, 2, "zigzag", "dense"),
+    ("kv", 25, 12, 2, "none", "dense"),             # pass-KV continuing a cache: the cached tokens travel too
+    ("kv", 16, 21, 4, "zigzag", "causal"),
 ])
-def test_ring_pass_q_equals_one_process(pools, cached, new, p, balance, kernel):
+def test_ring_continuing_a_cache_equals_one_process(pools, ring_pass, cached, new, p, balance, kernel):
     spec = ModelSpec("tiny", attention=kernel)
     ids = _ids(cached + new)
     logits, cache = single_prefill(spec.build(), ids)
-    result = parallel_prefill(spec, ids, "ring", p, balance=balance, ring_pass="q", cached=cached, pool=pools(p),
-                              return_cache=True, decode_tokens=3)
+    result = parallel_prefill(spec, ids, "ring", p, balance=balance, ring_pass=ring_pass, cached=cached,
+                              pool=pools(p), return_cache=True, decode_tokens=3)
     assert (result.logits - logits).abs().max().item() < ATOL
-    assert result.ring_pass == "q" and result.cached == cached and result.context == cached + new
+    assert result.ring_pass == ring_pass and result.cached == cached and result.context == cached + new
     assert sum(result.partition) == new
     for (k, v), (k_ref, v_ref) in zip(result.kv_cache, cache):    # the shards, gathered in position order
         assert k.shape == k_ref.shape
@@ -107,7 +109,7 @@ def test_the_pass_with_fewer_bytes_is_chosen(new, cached, expected):
     (dict(ring_pass="q"), "give cached >= 2"),
     (dict(ring_pass="q", cached=1), "give cached >= 2 .* got 1"),
     (dict(ring_pass="q", balance="zigzag", cached=3), "give cached >= 4"),
-    (dict(cached=10), "cached=10: pass-KV prefills a whole prompt; .* ring_pass='q'"),
+    (dict(cached=1), "ring_pass='kv' continues tokens already cached on every rank: give cached >= 2"),
     (dict(ring_pass="q", cached=37), "cached=37 leaves no new token of the 37-token prompt"),
     (dict(ring_pass="q", cached=36), r"world size 2 > 1 new tokens \(after 36 cached\)"),
     (dict(ring_pass="q", cached=-1), "cached must be an integer >= 0"),
@@ -123,7 +125,8 @@ def test_bad_ring_requests_fail_before_any_process_starts(kwargs, message):
 @pytest.mark.parametrize("argv, message", [
     (["--method", "kvr", "--pass", "q"], "--pass q chooses what ring attention sends round: give it with --method "
                                           "ring"),
-    (["--method", "ring", "--cached", "8"], "--cached 8: tokens already cached on the ranks are continued by"),
+    (["--method", "kvr", "--cached", "8"], "--cached 8: tokens already cached on the ranks are continued by"),
+    (["--method", "ring", "--cached", "1"], "--cached 1: .*give cached >= 2"),
     (["--method", "ring", "--pass", "q"], "--pass q: .*give cached >= 2"),
     (["--method", "ring", "--pass", "q", "--cached", "-2"], "--cached must be a number of tokens >= 0"),
     (["--method", "ring", "--balance", "trim"], "--balance trim: balance='trim' is not one of ring's"),
@@ -136,7 +139,7 @@ def test_bad_ring_flags_exit_2_with_one_clear_line(capsys, argv, message):
 
 @pytest.mark.needs("9.1", "9.2", "9.3")
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("flags", [["--balance", "zigzag"], ["--pass", "q", "--cached", "24"]])
+@pytest.mark.parametrize("flags", [["--balance", "zigzag"], ["--pass", "q", "--cached", "24"], ["--cached", "24"]])
 def test_prefill_ring_on_the_command_line(capsys, flags):
     import json
 

@@ -207,8 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--pass", dest="ring_pass", choices=list(RING_PASSES), default=None,
                    help="ring: what travels round the ring, keys and values (kv, the default) or queries (q)")
     f.add_argument("--cached", type=int, default=0,
-                   help="ring --pass q: tokens of the prompt already cached on the ranks, before the --context "
-                        "new ones")
+                   help="ring: tokens of the prompt already cached on the ranks, before the --context new ones "
+                        "(--pass q needs them; --pass kv sends them round with the new tokens' keys and values)")
     f.add_argument("--partition", type=_int_list, default=None, help="tokens per rank, e.g. 5000,3192")
     f.add_argument("--partition-table", default=None,
                    help="JSON table of searched partitions (KVR-P); default for --method kvr: the table shipped "
@@ -325,9 +325,8 @@ def check_prefill(args) -> dict:
     _check(args.cached >= 0, f"--cached must be a number of tokens >= 0, got {args.cached}")
     _check(args.ring_pass is None or args.method == "ring", f"--pass {args.ring_pass} chooses what ring attention "
                                                             "sends round: give it with --method ring")
-    _check(args.cached == 0 or (args.method == "ring" and args.ring_pass == "q"),
-           f"--cached {args.cached}: tokens already cached on the ranks are continued by --method ring --pass q "
-           "only")
+    _check(args.cached == 0 or args.method == "ring",
+           f"--cached {args.cached}: tokens already cached on the ranks are continued by --method ring only")
     if single:
         _check(args.partition is None and args.partition_table is None,
                "--method single has nothing to partition; drop --partition / --partition-table")

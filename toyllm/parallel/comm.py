@@ -247,17 +247,22 @@ class Ring(_Comm):
     one, whose size the partition gives, so the algorithm computes on the
     block in hand while the next travels. Pass-Q also sends each partial
     output straight back to the rank whose queries it answers
-    (``return_partials``). For pass-Q, ``held`` is this rank's shard of the
-    earlier tokens' KV cache (a ``DynamicKVCache``) and ``held_pos`` their positions.
+    (``return_partials``). Continuing a cache, ``held`` is this rank's shard
+    of the earlier tokens' KV cache (a ``DynamicKVCache``), ``held_layout``
+    every rank's cached positions, and ``block_tokens`` the tokens of each
+    rank's block when it is not its chunk (pass-KV sends the cached ones too).
     """
 
     def __init__(self, rank: int, chunks: list[int], timeline: Timeline, link: LinkModel | None = None,
-                 rng: random.Random | None = None, held=None, held_pos: torch.Tensor | None = None,
-                 layout: list[torch.Tensor] | None = None):
+                 rng: random.Random | None = None, held=None, held_layout: list[torch.Tensor] | None = None,
+                 layout: list[torch.Tensor] | None = None, block_tokens: list[int] | None = None):
         super().__init__(rank, chunks, timeline, link, rng)
+        self.held_layout = held_layout or []                  # every rank's cached positions, in rank order
+        self.held_pos = self.held_layout[rank] if held_layout else None
+        self.block_tokens = list(block_tokens or chunks)      # tokens of the block each rank sends round
         self.first_positions = {int(t[0]): r for r, t in enumerate(layout or [])}   # names a block by its rank
         self.next, self.prev = (rank + 1) % self.world_size, (rank - 1) % self.world_size
-        self.held, self.held_pos = held, held_pos
+        self.held = held
         self._keep: list = []        # buffers of the sends in flight: they must live until delivered
 
     def origin(self, step: int) -> int:
@@ -294,7 +299,7 @@ class Ring(_Comm):
         self._wait_delivered(self.layer)      # one block in flight per link: the last one must be delivered
         t0 = self.tl.now()
         message = torch.stack(block)                                     # (n, B, heads, c_origin, D): one message
-        shape = (*message.shape[:-2], self.chunks[self.origin(step + 1)], message.shape[-1])
+        shape = (*message.shape[:-2], self.block_tokens[self.origin(step + 1)], message.shape[-1])
         incoming = self._receive(shape, message, self.prev)
         self._post(message, self.next)
         self.tl.add("send", t0, self.tl.now(), self.layer, f"ring step {step}")

@@ -17,7 +17,10 @@ one process's.
   chunks rank r computes r + 1 blocks (its own and the r before it), so
   the last rank does p times the work of the first. ``balance="zigzag"``
   gives rank r pieces r and 2p-1-r of 2p (``token_layout``), and every rank
-  then computes half of each of its p blocks: equal work.
+  then computes half of each of its p blocks: equal work. Continuing N
+  tokens already cached on the ranks (``ring_pass_kv_cached_layer``,
+  ``prefill --method ring --cached N``), each rank's block is its cached
+  shard followed by its new tokens, and the cached keys and values travel too.
 - **pass-Q** (``ring_pass_q_layer``, ``prefill --method ring --pass q
   --cached N``): C new tokens continue N tokens whose KV cache is already
   sharded over the ranks (a ring prefill of those N tokens, or a
@@ -50,6 +53,8 @@ built here.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..answers import answer, exercise, require, shortcut
@@ -68,6 +73,33 @@ RING_BALANCES = ("none", "zigzag")
 def ring_pass_kv_layer(layer, x, pos, ring, attention):
     """Ring pass-KV: keys and values go round the ring; this rank's queries stay (Exercise 9.3)."""
     return exercise("9.3")(layer, x, pos, ring, attention)
+
+
+class _AfterCache:
+    """A layer whose ``qkv`` puts this rank's cached keys and values before those of its new tokens."""
+
+    def __init__(self, layer, ring):
+        self._layer, self._ring = layer, ring
+
+    def qkv(self, x, cos, sin):
+        q, k, v = self._layer.qkv(x, cos, sin)                 # (B, H, c_r, D), (B, Hkv, c_r, D) x 2
+        held_k, held_v, _ = self._ring.held_kv()               # (B, Hkv, n_r, D)
+        return q, torch.cat([held_k, k], dim=-2), torch.cat([held_v, v], dim=-2)
+
+    def __getattr__(self, name):
+        return getattr(self._layer, name)
+
+
+def ring_pass_kv_cached_layer(layer, x, pos, ring, attention):
+    """Pass-KV continuing a cache: each rank's block is its cached shard followed by its new tokens.
+
+    The same ring as a whole prompt's (``ring_pass_kv_layer``, Exercise 9.3):
+    the blocks only grow by the cached tokens, which travel with them, and
+    no block is skipped (every new query sees the cached tokens). Returns the
+    rank's whole KV cache, as ``ring_pass_q_layer`` does.
+    """
+    blocks = tuple(torch.cat([held, new]) for held, new in zip(ring.held_layout, pos.layout))
+    return ring_pass_kv_layer(_AfterCache(layer, ring), x, dataclasses.replace(pos, layout=blocks), ring, attention)
 
 
 @shortcut("9.3",
@@ -103,14 +135,16 @@ def ring_pass_q_layer(layer, x, pos, ring, attention):
     return layer.finish(x, layer.project(out)), keys, values
 
 
-def ring_step(ring_pass: str = "kv"):
-    """The engine's ring step: pass-KV or pass-Q.
+def ring_step(ring_pass: str = "kv", cached: int = 0):
+    """The engine's ring step: pass-KV (of a whole prompt, or continuing ``cached`` tokens) or pass-Q.
 
-    Either runs Exercises 9.1-9.3 (pass-Q's cached part is a pass-KV
-    prefill): an unwritten one stops the run here, in one line, not in every worker.
+    Each runs Exercises 9.1-9.3 (a cached part is put on the ranks by a
+    pass-KV prefill): an unwritten one stops the run here, in one line, not in every worker.
     """
     require("9.1", "9.2", "9.3")
-    return {"kv": ring_pass_kv_layer, "q": ring_pass_q_layer}[ring_pass]
+    if ring_pass == "kv":
+        return ring_pass_kv_cached_layer if cached else ring_pass_kv_layer
+    return ring_pass_q_layer
 
 
 # --------------------------------------------------------------------------- checks, the cache, the choice
@@ -123,16 +157,13 @@ def check_ring_request(ring_pass: str, cached: int, balance: str, world_size: in
     if balance not in RING_BALANCES:
         raise ValueError(f"balance={balance!r} is not one of ring's {list(RING_BALANCES)}: the ring skips the "
                          "blocks in a rank's future itself; zigzag evens out the work")
-    if ring_pass == "kv" and cached:
-        raise ValueError(f"cached={cached}: pass-KV prefills a whole prompt; tokens already cached on the ranks "
-                         "are continued with ring_pass='q'")
-    if ring_pass == "q":
+    if ring_pass == "q" or cached:                            # pass-Q always continues a cache
         pieces = 2 * world_size if balance == "zigzag" else world_size
         if cached < pieces:
-            raise ValueError(f"ring_pass='q' continues tokens already cached on every rank: give cached >= "
-                             f"{pieces} (balance={balance!r} shares them out in {pieces} pieces), got {cached}")
+            raise ValueError(f"ring_pass={ring_pass!r} continues tokens already cached on every rank: give "
+                             f"cached >= {pieces} (balance={balance!r} shares them out in {pieces} pieces), got {cached}")
         if new_tokens < pieces:
-            raise ValueError(f"ring_pass='q' shares the {new_tokens} new token(s) out in {pieces} pieces "
+            raise ValueError(f"ring_pass={ring_pass!r} shares the {new_tokens} new token(s) out in {pieces} pieces "
                              f"(balance={balance!r}): give at least {pieces} new tokens")
 
 

@@ -91,7 +91,7 @@ class PrefillResult:
     overlap: bool = True
     balance: str = "none"                  # TSP: "none", "trim" or "zigzag"; ring: "none" or "zigzag"
     ring_pass: str | None = None           # ring only: what travels, "kv" or "q"
-    cached: int = 0                        # ring pass-Q: tokens already in the ranks' caches
+    cached: int = 0                        # ring: prompt tokens already in the ranks' caches
     attention: str = "dense"               # the attention kernel every rank used
     link: dict | None = None
     max_abs_logit_diff: float | None = None
@@ -208,9 +208,10 @@ def prefill_rank(ctx: RankContext, spec: ModelSpec, ids: list[int], method: str,
     included) and timeline; the rank holding the last prompt token (the last
     rank, or rank 0 with zigzag) also returns the first-token logits, when
     they existed in each run (``logits_s``: the TTFT), and optionally its KV
-    cache and the tokens it decodes from that cache. Ring pass-Q: the first
-    ``cached`` of ``ids`` are already cached on the ranks (a ring pass-KV
-    prefill of them, untimed, puts them there) and ``chunks`` share out the rest.
+    cache and the tokens it decodes from that cache. Ring, continuing a
+    cache (pass-KV or pass-Q): the first ``cached`` of ``ids`` are already
+    cached on the ranks (a ring pass-KV prefill of them, untimed, puts them
+    there) and ``chunks`` share out the rest.
     """
     model = spec.build().to(ctx.device)
     rank, p = ctx.rank, ctx.world_size
@@ -219,7 +220,7 @@ def prefill_rank(ctx: RankContext, spec: ModelSpec, ids: list[int], method: str,
     if step:
         layer_step = resolve_step(step)
     else:
-        layer_step = ring_step(ring_pass) if method == "ring" else default_step(method, overlap, balance)
+        layer_step = ring_step(ring_pass, cached) if method == "ring" else default_step(method, overlap, balance)
     layout = [t + cached for t in token_layout(chunks, balance)]
     pos, ids_t = _rank_tokens(model, ids, layout, rank, ctx.device)
     context = cached + sum(chunks)
@@ -232,8 +233,10 @@ def prefill_rank(ctx: RankContext, spec: ModelSpec, ids: list[int], method: str,
         if method == "tsp":
             comm = AllGather(rank, chunks, tl, link, rng)
         elif method == "ring":
-            comm = Ring(rank, chunks, tl, link, rng, held, held_layout[rank].to(ctx.device) if cached else None,
-                        layout=layout)
+            held_pos = [t.to(ctx.device) for t in held_layout]
+            blocks = [len(h) + c for h, c in zip(held_pos, chunks)] if cached and ring_pass == "kv" else None
+            named = [torch.cat([h, t]) for h, t in zip(held_layout, layout)] if blocks else layout   # by first position
+            comm = Ring(rank, chunks, tl, link, rng, held, held_pos, layout=named, block_tokens=blocks)
         else:
             comm = Chain(rank, chunks, tl, batch=1, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                          dtype=model.rope_cos.dtype, device=ctx.device, link=link, rng=rng)
@@ -408,8 +411,9 @@ def parallel_prefill(spec: ModelSpec | str, ids: list[int], method: str = "kvr",
     "zigzag" (rank r holds pieces r and 2p-1-r of 2p, so every rank owns an
     equal share of the causal triangle); ring takes "none" or "zigzag".
     ring_pass: what travels round the ring, "kv" (keys and values) or "q"
-    (queries, to continue a prompt whose first ``cached`` tokens are already
-    in the ranks' caches; see ``toyllm.parallel.ring``). step: your
+    (queries). cached: ring only, the first ``cached`` tokens of ``ids`` are
+    already in the ranks' caches and the rest continue them (pass-Q always
+    continues a cache; see ``toyllm.parallel.ring``). step: your
     own per-layer step (see ``toyllm.parallel.steps``) instead of the
     engine's. repeat: timed runs, after ``warmup`` untimed ones, in the same
     processes. pool: reuse a running WorkerPool of the right size instead of
@@ -425,7 +429,7 @@ def parallel_prefill(spec: ModelSpec | str, ids: list[int], method: str = "kvr",
     if step is None and method in ("tsp", "kvr"):
         default_step(method, overlap, balance)
     elif step is None and method == "ring":
-        ring_step(ring_pass)
+        ring_step(ring_pass, cached)
     if method == "single":
         if step is not None:
             raise ValueError("step= plugs a per-layer step into a parallel method ('tsp' or 'kvr'), not 'single'")
