@@ -102,9 +102,10 @@ LAYERS = [
     {"toyllm.utils", "toyllm.timeline", "toyllm.gguf_file", "toyllm.supervise", "toyllm.checks",
      # the course: which implementation of the exercises runs, and the sandbox that runs a submission
      "toyllm.answers", "toyllm.course", "toyllm.stubs",
-     "toyllm.grading.sandbox", "toyllm.grading.local", "toyllm.grading.guard", "toyllm.grading.wire",
-     "toyllm.grading.launcher",
-     "toyllm.grading.submission", "toyllm.grading.counted"},
+     "toyllm.grading.settings",
+     "toyllm.grading.sandbox.process", "toyllm.grading.sandbox.local", "toyllm.grading.sandbox.guard",
+     "toyllm.grading.sandbox.wire", "toyllm.grading.sandbox.launcher",
+     "toyllm.grading.sandbox.submission", "toyllm.grading.sandbox.counted"},
     {"toyllm.attention", "toyllm.quant"},
     {"toyllm.model"},
     {"toyllm.cache", "toyllm.paged", "toyllm.tokenizer", "toyllm.analysis", "toyllm.cost_fit"},

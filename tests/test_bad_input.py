@@ -18,7 +18,7 @@ import pytest
 
 import toyllm
 import toyllm.bench
-import toyllm.grading.cli as grading_cli
+import toyllm.grading.grader.cli as grading_cli
 import toyllm.launch as launch
 import toyllm.parallel
 import toyllm.parallel.runner as runner
@@ -253,7 +253,7 @@ def test_grade_rejects_bad_limits_before_grading(capsys, no_grading, argv, names
 
 
 def test_grade_only_a_lesson_without_graded_tests_names_the_module(capsys, monkeypatch):
-    import toyllm.grading.grader as grader
+    import toyllm.grading.grader.grade as grader
 
     monkeypatch.setattr(grader, "run_lesson", lambda *a, **k: pytest.fail("a lesson started"))   # grade() checks first
     for err in grade_errors(capsys, ["--only", "ex99"]):
@@ -261,7 +261,7 @@ def test_grade_only_a_lesson_without_graded_tests_names_the_module(capsys, monke
 
 
 def test_grade_results_must_be_a_file_in_an_existing_folder(capsys, monkeypatch, tmp_path):
-    import toyllm.grading.grader as grader
+    import toyllm.grading.grader.grade as grader
 
     monkeypatch.setattr(grader, "run_lesson", lambda *a, **k: pytest.fail("a lesson started"))   # grade() checks first
     for err in grade_errors(capsys, ["--results", str(tmp_path)]):
@@ -272,7 +272,7 @@ def test_grade_results_must_be_a_file_in_an_existing_folder(capsys, monkeypatch,
 
 
 def test_a_failed_write_of_the_results_leaves_no_file_behind(monkeypatch, tmp_path):
-    from toyllm.grading.report import GradeReport
+    from toyllm.grading.grader.report import GradeReport
 
     target = tmp_path / "results.json"
     GradeReport(impl="exercises").write(target)

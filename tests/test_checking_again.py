@@ -1,12 +1,12 @@
 """Checking again is quick, and still grades what the student has just written.
 
 ``check()`` leaves a standby pytest process with a sandbox started ahead
-(``toyllm.grading.run.Standby``); the next check claims it. These tests
+(``toyllm.grading.grader.run.Standby``); the next check claims it. These tests
 prove that a claimed standby grades the file as it is now (not as it was
 when the standby started), that a grading without ``keep_warm`` leaves no
 process behind, and that a standby nobody claims ends with its grader.
 The figures of how much quicker are measured by ``python -m
-toyllm.grading.timing`` (docs/grading.md), never asserted here.
+toyllm.grading.grader.timing`` (docs/grading.md), never asserted here.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from toyllm.grading import grade
-from toyllm.grading import run as grading_run
+from toyllm.grading.grader import run as grading_run
 
 ROOT = Path(__file__).resolve().parent.parent
 WRONG_31 = ("(B * D + D * F + B * F)", "(B * D + D * F)")        # forgets the output bytes
@@ -82,7 +82,7 @@ def test_a_standby_nobody_claims_ends_with_its_grader(tmp_path):
     script = textwrap.dedent(f"""
         import os
         from toyllm.grading import grade
-        from toyllm.grading import run
+        from toyllm.grading.grader import run
         os.chdir({str(ROOT)!r})
         grade("solutions", only="3.1", keep_warm=True)
         print(run._standby.proc.pid, flush=True)

@@ -22,8 +22,8 @@ import pytest
 
 from toyllm import answers
 from toyllm.grading import GradeReport, grade, load_exercise, make_stub, resolve_impl, sync
-from toyllm.grading.launcher import namespaces_work
-from toyllm.grading.sandbox import sandbox_user
+from toyllm.grading.sandbox.launcher import namespaces_work
+from toyllm.grading.sandbox.process import sandbox_user
 
 ROOT = Path(__file__).resolve().parent.parent
 SUBMISSIONS = ROOT / "tests" / "fixtures" / "submissions"
@@ -483,7 +483,7 @@ def test_the_grader_writes_no_results_file_unless_asked():
 
 
 def test_messages_are_whole_and_wrapped_and_an_unwritten_exercise_shows_its_hint():
-    from toyllm.grading.report import TestResult, explain
+    from toyllm.grading.grader.report import TestResult, explain
 
     long = "expected (1, 2, 40, 16) (batch, kv heads, every token of the context, head_dim) " * 5 + "THE-END"
     shown = explain(TestResult(name="Exercise 4.2: t", nodeid="n", exercise="4.2", score=0, max_score=1,
@@ -725,7 +725,7 @@ def test_sigterm_to_the_grader_ends_every_process_it_started(tmp_path, fixture):
         started = []
         while time.monotonic() < deadline:          # wait until the sandbox serves (then runs the hanging call)
             started = psutil.Process(proc.pid).children(recursive=True)
-            if any("toyllm.grading.server" in " ".join(p.cmdline()) for p in started if p.is_running()):
+            if any("toyllm.grading.sandbox.server" in " ".join(p.cmdline()) for p in started if p.is_running()):
                 break
             time.sleep(0.5)
         else:
@@ -1560,9 +1560,9 @@ def _run_exercise(impl: Path, exercise: str) -> dict[str, str]:
     import inspect
 
     from toyllm import build_model
-    from toyllm.grading import sandbox
-    from toyllm.grading import harness
-    from toyllm.grading.local import LocalModule
+    from toyllm.grading.sandbox import harness
+    from toyllm.grading.sandbox import process as sandbox
+    from toyllm.grading.sandbox.local import LocalModule
 
     lesson = int(exercise.split(".")[0])
     path = next((ROOT / "tests" / "grading").glob(f"test_ex{lesson:02d}_*.py"))

@@ -1,7 +1,7 @@
 """No model answer that could answer the exercise under test is within its reach.
 
 While Exercise X is graded, the sandbox holds only the model answers X needs
-(``toyllm.grading.sandbox.model_answers_for``): those X's own model answer
+(``toyllm.grading.sandbox.process.model_answers_for``): those X's own model answer
 calls and those its lesson's graded tests run through toyllm, compiled from
 memory and never written to a file. One grading run of
 ``tests/fixtures/submissions/borrowing/`` tries every way it knows to get
@@ -14,8 +14,8 @@ import pytest
 
 from test_grader import ROOT, make_submission, outputs
 from toyllm.grading import grade
-from toyllm.grading.guard import exercise_functions
-from toyllm.grading.sandbox import model_answers_for
+from toyllm.grading.sandbox.guard import exercise_functions
+from toyllm.grading.sandbox.process import model_answers_for
 
 
 def test_the_sandbox_gets_only_what_the_graded_exercises_model_answer_and_tests_run():

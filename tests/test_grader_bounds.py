@@ -22,8 +22,8 @@ import psutil
 import pytest
 import torch
 
-from toyllm.grading import wire
-from toyllm.grading.report import TestResult, printable
+from toyllm.grading.sandbox import wire
+from toyllm.grading.grader.report import TestResult, printable
 
 ROOT = Path(__file__).resolve().parent.parent
 SUBMISSIONS = ROOT / "tests" / "fixtures" / "submissions"

@@ -1,4 +1,4 @@
-"""A class's worth of grading: ``grade --class`` (toyllm/grading/gradebook.py) and the Gradescope zip
+"""A class's worth of grading: ``grade --class`` (toyllm/grading/grader/gradebook.py) and the Gradescope zip
 (toyllm/grading/autograder.py).
 
 The fast tests read submissions (folders, zips, untidy and hostile ones) and write gradebooks without
@@ -23,8 +23,9 @@ import psutil
 import pytest
 
 from test_grader import ROOT, make_submission
-from toyllm.grading import autograder, gradebook
-from toyllm.grading.gradebook import (CRASHED, GRADED, NO_FILES, TIMED_OUT, Options, Row, _Refused, default_jobs,
+from toyllm.grading import autograder
+from toyllm.grading.grader import gradebook
+from toyllm.grading.grader.gradebook import (CRASHED, GRADED, NO_FILES, TIMED_OUT, Options, Row, _Refused, default_jobs,
                                       find_submissions, grade_one, prepare, read_gradebook, write_gradebook)
 
 ANSWER_01 = (ROOT / "solutions" / "ex01_naive_generation.py").read_text()

@@ -23,8 +23,8 @@ import pytest
 
 from test_grader import ROOT, make_submission
 from toyllm.grading import grade
-from toyllm.grading.launcher import ID_RANGE, namespaces_work, unused_id, writable_folders
-from toyllm.grading.sandbox import sandbox_user
+from toyllm.grading.sandbox.launcher import ID_RANGE, namespaces_work, unused_id, writable_folders
+from toyllm.grading.sandbox.process import sandbox_user
 
 APART = pytest.mark.skipif(sandbox_user() is None or not namespaces_work(),
                            reason="sandboxes are kept apart (IPC, network, writable folders, a user id each) only "

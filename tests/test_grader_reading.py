@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from toyllm.grading.submission import MAX_FILE_BYTES, MAX_TOTAL_BYTES, read_submission
+from toyllm.grading.sandbox.submission import MAX_FILE_BYTES, MAX_TOTAL_BYTES, read_submission
 
 ROOT = Path(__file__).resolve().parent.parent
 LINKING = ROOT / "tests" / "fixtures" / "submissions" / "linking"

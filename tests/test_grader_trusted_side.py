@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from toyllm.grading import grade
-from toyllm.grading.harness import MAX_EVALUATIONS
+from toyllm.grading.sandbox.harness import MAX_EVALUATIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 SUBMISSIONS = ROOT / "tests" / "fixtures" / "submissions"

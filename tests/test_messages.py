@@ -19,9 +19,11 @@ import torch
 from test_grader import _graded_conftest, _run_exercise, _variant
 
 from toyllm import answers
-from toyllm.grading import harness, load_exercise, sandbox
+from toyllm.grading import load_exercise
+from toyllm.grading.sandbox import harness
+from toyllm.grading.sandbox import process as sandbox
 from toyllm.grading.expect import engine_cause
-from toyllm.grading.local import LocalModule
+from toyllm.grading.sandbox.local import LocalModule
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -21,6 +21,7 @@ import torch
 
 from toyllm import build_model
 from toyllm.grading import edition, references
+from toyllm.grading.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 GRADED = ["tests/grading/test_ex02_kv_cache.py", "tests/grading/test_ex05_kv_runahead.py",
@@ -35,7 +36,7 @@ def marked_references(path: Path) -> dict[str, ast.FunctionDef]:
 def _in_edition(folder: Path, *args, seed: str | None = None) -> subprocess.CompletedProcess:
     """pytest on the edition's graded tests, with its toyllm; the engine's runs left out (they store nothing)."""
     env = {**os.environ, "PYTHONPATH": str(folder), "TOYLLM_FAST": "1"}
-    for name in ("TOYLLM_IMPL", "TOYLLM_COURSE_DIR", "PYTEST_ADDOPTS", "TOYLLM_GRADE_SEED", references.RECORD_ENV):
+    for name in ("TOYLLM_IMPL", "TOYLLM_COURSE_DIR", "PYTEST_ADDOPTS", "TOYLLM_GRADE_SEED", Settings.variable("record")):
         env.pop(name, None)
     if seed is not None:
         env["TOYLLM_GRADE_SEED"] = seed
@@ -107,7 +108,7 @@ def doubled(chunks):
 
 
 def test_this_edition_computes_every_reference_live(monkeypatch):
-    monkeypatch.delenv(references.RECORD_ENV, raising=False)
+    monkeypatch.delenv(Settings.variable("record"), raising=False)
     assert references.reference(doubled) is doubled
 
     def nested(chunks):

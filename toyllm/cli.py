@@ -458,7 +458,7 @@ def check_bench(args) -> None:
 
 
 def check_grade(args) -> None:
-    from .grading.cli import check_arguments
+    from .grading.grader.cli import check_arguments
 
     check_arguments(args)
 

@@ -34,9 +34,9 @@ import torch
 from toyllm import answers, build_model
 from toyllm.grading import load_exercise
 from toyllm.grading.references import EDITION_SEED
-from toyllm.grading.local import LocalModule
-from toyllm.grading.sandbox import SANDBOX_ENV
-from toyllm.grading.submission import read_submission
+from toyllm.grading.sandbox.local import LocalModule
+from toyllm.course import SANDBOX_ENV
+from toyllm.grading.sandbox.submission import read_submission
 
 
 @pytest.fixture(autouse=True)
@@ -128,7 +128,7 @@ ENGINE_ATOL = 1e-4      # float32 logits: the ranks sum the same products in ano
 def _assert_independent(fn, exercise: str) -> None:
     """Fail when the source of submitted function ``fn`` names one of toyllm's own implementations.
 
-    For code that runs where the runtime guard (``toyllm.grading.guard``) cannot see it,
+    For code that runs where the runtime guard (``toyllm.grading.sandbox.guard``) cannot see it,
     such as a per-layer step inside the parallel engine's worker processes.
     The source is read by the grader from the submitted file, never asked of
     the submission. The names are those of toyllm's functions marked as the
@@ -171,7 +171,7 @@ def _engine_cause(step, spec, ids, method, p, chunks, ref_cache) -> str:
     from toyllm.grading.expect import engine_cause
 
     try:
-        trace = sandboxed("toyllm.grading.harness:engine_trace", spec, ids, method, p, chunks, step=step)
+        trace = sandboxed("toyllm.grading.sandbox.harness:engine_trace", spec, ids, method, p, chunks, step=step)
     except Exception:           # the first run already said what it could
         return ""
     cause = engine_cause(trace, [(k, v) for k, v in ref_cache], chunks, method)
@@ -199,7 +199,7 @@ def make_engine_run():
         where = f"Exercise {exercise}, {step.__name__} in the engine, p={p}, chunks {chunks}" + (f" ({note})" if note else "")
         try:
             partition = None if options.get("balance") == "zigzag" else chunks     # zigzag lays out its own
-            got = sandboxed("toyllm.grading.harness:parallel_prefill", spec, ids, method, p, partition, step=step,
+            got = sandboxed("toyllm.grading.sandbox.harness:parallel_prefill", spec, ids, method, p, partition, step=step,
                             warmup=0, return_cache=True, decode_tokens=decode, timeout_s=20, **options)
         except Exception as e:
             pytest.fail(f"{where}: the run failed: {_root_cause(e)}")
@@ -228,7 +228,7 @@ def engine_workers_end_with_the_module():
     pytest run they would otherwise outlive the graded tests.
     """
     yield
-    from toyllm.grading import harness
+    from toyllm.grading.sandbox import harness
 
     harness.close_pools()
 
@@ -247,7 +247,7 @@ def _exercises_ran() -> set[str]:
         from toyllm.grading import sandboxed
 
         try:
-            ran |= set(sandboxed("toyllm.grading.harness:exercises_ran", clear=True))
+            ran |= set(sandboxed("toyllm.grading.sandbox.harness:exercises_ran", clear=True))
         except Exception:           # a crashed or hung sandbox: its test has said so already
             pass
     return ran
@@ -276,11 +276,12 @@ def pytest_runtest_makereport(item, call):
         return report
     ran = _exercises_ran()                      # after setup: empty, so that the call's record is its own
     if report.when == "call" and report.failed:
-        from toyllm.grading.expect import NEIGHBOUR_ENV, ran_also
-        from toyllm.grading.plugin import exercise_of
+        from toyllm.grading.expect import ran_also
+        from toyllm.grading.grader.plugin import exercise_of
+        from toyllm.grading.settings import Settings
 
         exercise = exercise_of(item)
-        if os.environ.get(NEIGHBOUR_ENV):       # this run grades a neighbour for a note: say what else it ran
+        if Settings.from_env(os.environ).neighbour:       # this run grades a neighbour for a note: say what else it ran
             _add_note(report, ran_also(exercise, ran))
         elif ran - {exercise}:
             _PENDING.append((report, exercise, ran))
@@ -291,7 +292,7 @@ def pytest_sessionfinish(session):
     """The student edition's notes, once every test has run: grading another exercise takes seconds, which
     must not count against a test's time limit. The grader's log gets each noted report again (the later
     one counts)."""
-    from toyllm.grading import plugin
+    from toyllm.grading.grader import plugin
     from toyllm.grading.expect import neighbours_note
 
     while _PENDING:

@@ -4,7 +4,7 @@
 References live here: ``torch.argmax``, probabilities worked out by hand
 (several exactly representable, so a boundary is a boundary) and a greedy
 loop over the tiny model written below. Sampling tests draw through
-``toyllm.grading.harness.repeat`` so thousands of draws cost one call.
+``toyllm.grading.sandbox.harness.repeat`` so thousands of draws cost one call.
 """
 import pytest
 import torch
@@ -31,7 +31,7 @@ def top(n):
 
 
 def draws(ex01, n, logits=LOGITS, seed=0, **kw):
-    return sandboxed("toyllm.grading.harness:repeat", ex01.sample_next_token, n, logits, seed=seed, **kw)
+    return sandboxed("toyllm.grading.sandbox.harness:repeat", ex01.sample_next_token, n, logits, seed=seed, **kw)
 
 
 def kept(ex01, n=400, logits=LOGITS, **kw):
@@ -240,7 +240,7 @@ def test_ex1_3_matches_the_reference_loop(ex01, tiny_model, drawn):
 @pytest.mark.exercise("1.3")
 @pytest.mark.points(2)
 def test_ex1_3_one_forward_per_token_over_the_whole_prefix(ex01, tiny_model):
-    traced = sandboxed("toyllm.grading.harness:traced", ex01.naive_generate, tiny_model, PROMPT, 6)
+    traced = sandboxed("toyllm.grading.sandbox.harness:traced", ex01.naive_generate, tiny_model, PROMPT, 6)
     out, calls = traced["value"], traced["calls"]
     same_tokens(out, reference_greedy(tiny_model, PROMPT, 6), "naive_generate(prompt of 8 tokens, 6 new)")
     assert len(calls) == 6, f"naive_generate(prompt of 8 tokens, 6 new): expected one model call per new token (6), " \
@@ -255,7 +255,7 @@ def test_ex1_3_one_forward_per_token_over_the_whole_prefix(ex01, tiny_model):
 @pytest.mark.exercise("1.3")
 @pytest.mark.points(1)
 def test_ex1_3_edge_cases(ex01, tiny_model):
-    traced = sandboxed("toyllm.grading.harness:traced", ex01.naive_generate, tiny_model, PROMPT, 0)
+    traced = sandboxed("toyllm.grading.sandbox.harness:traced", ex01.naive_generate, tiny_model, PROMPT, 0)
     equal(traced["value"], [], "naive_generate(prompt of 8 tokens, 0 new)")
     equal(len(traced["calls"]), 0, "model calls made by naive_generate(prompt of 8 tokens, 0 new)")
     raises(ValueError, ex01.naive_generate, tiny_model, [], 3, call="naive_generate(empty prompt, 3 new)")

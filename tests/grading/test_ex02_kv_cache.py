@@ -269,7 +269,7 @@ def test_ex2_4_same_tokens_as_without_a_cache(ex02, tiny_model, drawn):
 @pytest.mark.exercise("2.4")
 @pytest.mark.points(2)
 def test_ex2_4_one_token_per_decode_call(ex02, tiny_model):
-    traced = sandboxed("toyllm.grading.harness:traced", ex02.cached_generate, tiny_model, PROMPT, 7)
+    traced = sandboxed("toyllm.grading.sandbox.harness:traced", ex02.cached_generate, tiny_model, PROMPT, 7)
     out, calls = traced["value"], traced["calls"]
     call = "cached_generate(prompt of 8 tokens, 7 new)"
     same_tokens(out, reference_greedy(tiny_model, PROMPT, 7), call)
@@ -284,6 +284,6 @@ def test_ex2_4_one_token_per_decode_call(ex02, tiny_model):
         assert c["cache_length"] == len(PROMPT) + i and c["input_pos"] in (None, len(PROMPT) + i), (
             f"{call}: decode step {i + 1} should run at position {len(PROMPT) + i} with {len(PROMPT) + i} tokens "
             f"cached; got input_pos={c['input_pos']} with {c['cache_length']} cached")
-    empty = sandboxed("toyllm.grading.harness:traced", ex02.cached_generate, tiny_model, PROMPT, 0)
+    empty = sandboxed("toyllm.grading.sandbox.harness:traced", ex02.cached_generate, tiny_model, PROMPT, 0)
     assert empty["value"] == [] and empty["calls"] == [], \
         "cached_generate(prompt of 8 tokens, 0 new): expected [] and no model call"

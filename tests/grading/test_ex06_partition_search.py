@@ -2,7 +2,7 @@
 
 6.1 search_boundary 3, 6.2 grid_search 3, 6.3 interpolate_partition 2, 6.4 fit_cost_model 2.
 The searches run against cost functions whose best partition is known
-(``toyllm.grading.harness``: ``kink_cost``, ``bowl_cost``) and against
+(``toyllm.grading.sandbox.harness``: ``kink_cost``, ``bowl_cost``) and against
 toyllm's simulator, with a limit on the distinct partitions they may try,
 so that trying every partition does not pass as a search. References live
 here: brute force over the same cost function, the rounding and the least
@@ -17,7 +17,7 @@ import math
 import numpy as np
 import pytest
 
-from toyllm.grading import harness
+from toyllm.grading.sandbox import harness
 from toyllm.grading.expect import close, equal, raises
 from toyllm.grading.references import reference
 from toyllm.model import get_config

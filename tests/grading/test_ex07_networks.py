@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from toyllm.grading import harness
+from toyllm.grading.sandbox import harness
 from toyllm.grading.expect import close, equal, raises
 from toyllm.grading.references import reference
 from toyllm.model import get_config

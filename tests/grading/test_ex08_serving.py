@@ -18,7 +18,7 @@ import torch
 from toyllm import DynamicKVCache, build_model
 from toyllm.grading import sandboxed
 from toyllm.grading.expect import equal, raises, tensors_close
-from toyllm.grading.sandbox import SubmissionCrash, SubmissionTimeout
+from toyllm.grading.sandbox.process import SubmissionCrash, SubmissionTimeout
 from toyllm.grading.references import NotStored, reference
 from toyllm.paged import BlockPool
 
@@ -46,7 +46,7 @@ def dynamic_cache_logits(ops) -> list[torch.Tensor]:
 
 def run(ops, prepare=None, gather=None, n_blocks=32):
     try:
-        return sandboxed("toyllm.grading.harness:paged_run", ops, prepare=prepare, gather=gather, block_size=BLOCK,
+        return sandboxed("toyllm.grading.sandbox.harness:paged_run", ops, prepare=prepare, gather=gather, block_size=BLOCK,
                          n_blocks=n_blocks)
     except (SubmissionTimeout, SubmissionCrash):
         raise
@@ -220,7 +220,7 @@ def test_ex8_2_rows_in_token_order(ex08, drawn):
     for table, layer, length, note in cases:
         store = torch.randn(8, 3, 2, BLOCK, 5, generator=gen)
         call = f"gather_rows(store (8, 3, 2, {BLOCK}, 5), table={table}, layer={layer}, length={length}){note}"
-        laid_out = sandboxed("toyllm.grading.harness:with_layout", ex08.gather_rows, store, table, layer, length)
+        laid_out = sandboxed("toyllm.grading.sandbox.harness:with_layout", ex08.gather_rows, store, table, layer, length)
         got = laid_out["value"]
         want = gathered_one_by_one(store, table, layer, length)
         if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape) or got.dtype != store.dtype:
@@ -302,7 +302,7 @@ def serving_with(plan):
                                 seed=3)
     want = generated_alone(workload)
     for policy, budget in (("static", 64), ("continuous", 64), ("chunked", 8)):
-        got = sandboxed("toyllm.grading.harness:serve_run", workload, policy, plan=plan, max_batch=3,
+        got = sandboxed("toyllm.grading.sandbox.harness:serve_run", workload, policy, plan=plan, max_batch=3,
                         token_budget=budget, block_size=BLOCK)
         what = (f"serve(6 requests of 3-20 prompt and 1-6 new tokens, policy={policy!r}, max_batch=3, "
                 f"token_budget={budget}) with your plan_iteration")

@@ -1,26 +1,31 @@
-"""Exercises and automatic grading: a small package, one module per concern.
+"""Exercises and automatic grading, grouped by the boundary between trusted and submitted code.
 
 - (below it, in ``toyllm.course``: where the course's exercises, solutions and
   graded tests are, and which implementation runs: ``load_exercise``,
   ``TOYLLM_IMPL``; in ``toyllm.stubs``: the stubs generated from the model
   answers, ``sync``);
-- ``edition``: the student edition, without the answers (``make student``);
-- ``plugin``: the pytest plugin (``--impl``, the markers, the grader's log);
-- ``sandbox``, ``server``, ``wire``: the submission's own process, and what
-  crosses to it and back; ``local``: the same rules in this process (a plain
-  pytest run), and ``sandboxed``;
-- ``guard``: the rules a submitted call runs under (independence, one
-  exercise at a time);
-- ``harness``: trusted helpers that graded tests run next to the submission;
-- ``expect``: checks whose failure messages a student can act on;
-- ``grader``: ``grade`` and ``check``; ``selection`` (which tests run),
-  ``run`` (one lesson's trusted pytest process, watched), ``outcome`` (its
-  event log read into a status per test), ``report`` (tables and Gradescope
-  results);
-- ``gradebook``: a class folder graded side by side into one CSV (``grade --class``);
-  ``autograder``: the Gradescope zip (``make autograder``); ``class_timing`` and
-  ``timing``: how long grading takes;
-- ``cli``: the command line.
+- ``settings``: every environment variable the grader and its sandbox hand
+  each other, in one frozen object (``Settings.from_env``, ``to_env``);
+- ``sandbox/``: the untrusted side and its boundary: the submission's own
+  process (``process``, ``launcher``, ``server``), what crosses to it and
+  back (``wire``), the rules a submitted call runs under (``guard``), the
+  same rules in this process (``local``: a plain pytest run, and
+  ``sandboxed``), trusted helpers that graded tests run next to the
+  submission (``harness``, ``counted``) and a submission's files read within
+  bounds (``submission``);
+- ``grader/``: the trusted side: ``grade`` and ``check`` (``grade``),
+  ``selection`` (which tests run), ``run`` (one lesson's trusted pytest
+  process, watched) and ``standby``, ``plugin`` (the pytest plugin:
+  ``--impl``, the markers, the grader's log), ``outcome`` (its event log read
+  into a status per test), ``report`` (tables and Gradescope results),
+  ``cli`` (the command line), ``gradebook`` (a class folder graded side by
+  side into one CSV, ``grade --class``), ``timing`` and ``class_timing``
+  (how long grading takes);
+- course authoring, what an instructor writes graded tests with and builds
+  from them: ``expect`` (checks whose failure messages a student can act
+  on), ``references`` (expected values, stored for the student edition),
+  ``edition`` (the student edition, ``make student``) and ``autograder``
+  (the Gradescope zip, ``make autograder``).
 
 1. **Which implementation runs.** Every lesson's exercises exist twice with
    the same signatures: ``exercises/exNN_*.py`` (stubs the learner fills in)
@@ -48,11 +53,11 @@ Command line::
     python -m toyllm.grading sync [--check] [--force]
 """
 from ..course import course_root, current_impl, load_exercise, resolve_impl
-from .grader import GradingError, check, grade
-from .report import GradeReport, TestResult
-from .local import sandboxed
+from .grader.grade import GradingError, check, grade
+from .grader.report import GradeReport, TestResult
+from .sandbox.local import sandboxed
 from ..stubs import make_stub, sync
-from .cli import add_arguments, main
+from .grader.cli import add_arguments, main
 
 __all__ = ["GradeReport", "GradingError", "TestResult", "add_arguments", "check", "course_root", "current_impl",
            "grade", "load_exercise", "main", "make_stub", "resolve_impl", "sandboxed", "sync"]

@@ -1,3 +1,3 @@
-from .cli import cli_main
+from .grader.cli import cli_main
 
 raise SystemExit(cli_main())

@@ -26,10 +26,10 @@ from pathlib import Path
 
 from ..course import course_root
 from .edition import _git_files
-from .grader import GradingError, grade
-from .gradebook import _Refused, prepare
-from .report import GradeReport, printable
-from .selection import lesson_of
+from .grader.grade import GradingError, grade
+from .grader.gradebook import _Refused, prepare
+from .grader.report import GradeReport, printable
+from .grader.selection import lesson_of
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates" / "autograder"
 SCRIPTS = ("setup.sh", "run_autograder")

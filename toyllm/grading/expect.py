@@ -165,7 +165,7 @@ def engine_cause(trace: list[dict], reference: list[tuple[torch.Tensor, torch.Te
                  method: str, atol: float = 1e-4) -> str:
     """The first rank and layer whose attention inputs differ from the one-process run, and how; "" if none does.
 
-    trace: ``toyllm.grading.harness.engine_trace``'s records. reference: the
+    trace: ``toyllm.grading.sandbox.harness.engine_trace``'s records. reference: the
     one-process cache, (keys, values) per layer, each (1, Hkv, C, D).
     method: "kvr" (rank i should attend over tokens [0, s_i + c_i)) or
     "tsp" (over all C tokens). The row of key t is token t and its
@@ -217,7 +217,6 @@ def engine_cause(trace: list[dict], reference: list[tuple[torch.Tensor, torch.Te
 
 # --------------------------------------------------------------------------- the student edition: other exercises
 
-NEIGHBOUR_ENV = "TOYLLM_GRADE_NEIGHBOUR"     # set while a neighbour is graded for a note (see ``ran_also``)
 _verdicts: dict[tuple, bool] = {}            # (exercise, implementation, its file's stamp) -> fails its own tests
 _RAN_ALSO = "this test also ran Exercise "
 
@@ -253,8 +252,9 @@ def _fails_own_tests(number: str) -> bool:
     from toyllm import answers
 
     from ..course import exercise_file, resolve_impl
-    from .grader import GradingError, grade
+    from .grader.grade import GradingError, grade
     from ..course import current_impl
+    from .settings import Settings
 
     try:                          # read by name, never asked of the submission (under the grader it is a proxy)
         path = exercise_file(resolve_impl(), answers.lesson_module(number))
@@ -263,7 +263,7 @@ def _fails_own_tests(number: str) -> bool:
         return False
     key = (number, current_impl(), path, stat.st_mtime_ns, stat.st_size)
     if key not in _verdicts:
-        os.environ[NEIGHBOUR_ENV] = "1"
+        os.environ.update(Settings(neighbour="1").to_env())     # read by the graded tests' conftest
         try:
             report = grade(current_impl(), only=number)
             _verdicts[key] = any(t.status not in ("passed", "skipped") and _RAN_ALSO not in t.output
@@ -271,5 +271,5 @@ def _fails_own_tests(number: str) -> bool:
         except (GradingError, ValueError):
             _verdicts[key] = False
         finally:
-            del os.environ[NEIGHBOUR_ENV]
+            del os.environ[Settings.variable("neighbour")]
     return _verdicts[key]

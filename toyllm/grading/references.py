@@ -40,10 +40,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..course import COURSE_ENV, course_root
+from ..course import course_root
+from .settings import Settings
 
-RECORD_ENV = "TOYLLM_RECORD_EXPECTED"      # a folder: record every reference's value there (the builder sets it)
-SEED_ENV = "TOYLLM_GRADE_SEED"             # the seed of the graded tests' drawn cases (tests/grading/conftest.py)
 EDITION_SEED = 2024                        # the student edition's seed: the drawn cases it stores values for
 EXPECTED_DIR = Path("tests") / "grading" / "expected"
 _TEST_FILE = re.compile(r"test_(ex\d\d)_\w+\.py$")
@@ -142,7 +141,7 @@ def reference(fn):
     """
     if fn.__qualname__ != fn.__name__:
         raise ValueError(f"@reference marks module-level functions of a graded test file, not {fn.__qualname__}")
-    folder = os.environ.get(RECORD_ENV)
+    folder = Settings.from_env(os.environ).record
     if not folder:
         return fn
     lesson, signature = lesson_of(fn.__code__.co_filename), inspect.signature(fn)
@@ -202,9 +201,9 @@ def stored(lesson: str, name: str, arguments: dict):
         _TABLES[lesson] = torch.load(path, weights_only=True)
     key = f"{name}:{argument_key(dict(arguments))}"
     if key not in _TABLES[lesson]:
-        seed = os.environ.get(SEED_ENV, "").strip()
+        seed = (Settings.from_env(os.environ).seed or "").strip()
         raise NotStored(f"no stored expected value for this case of {name}: this edition stores the visible "
-                        f"cases (drawn ones with {SEED_ENV}={EDITION_SEED}"
+                        f"cases (drawn ones with {Settings.variable('seed')}={EDITION_SEED}"
                         f"{f', not {seed}' if seed and seed != str(EDITION_SEED) else ''}); "
                         "the instructor's grader checks the others")
     return _TABLES[lesson][key]
@@ -249,8 +248,8 @@ def write_expected_values(out: Path, root: Path, timeout_s: float = 600) -> list
     tests = [path.relative_to(out) for path in sorted((out / "tests" / "grading").glob("test_ex*.py"))
              if _reference_functions(ast.parse(path.read_text()))]
     folder = out / EXPECTED_DIR
-    env = {**os.environ, RECORD_ENV: str(folder), "TOYLLM_IMPL": "solutions", SEED_ENV: str(EDITION_SEED),
-           COURSE_ENV: str(root), "TOYLLM_FAST": "1"}
+    env = {**os.environ, **Settings(record=str(folder), impl="solutions", seed=str(EDITION_SEED), course=str(root),
+                                    fast="1").to_env()}
     env.pop("PYTEST_ADDOPTS", None)
     if tests:
         try:

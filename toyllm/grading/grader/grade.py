@@ -18,12 +18,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..course import NAMED_IMPLS, current_impl, grading_tests_dir, resolve_impl
+from ...course import NAMED_IMPLS, current_impl, grading_tests_dir, resolve_impl
 from .report import GradeReport, explain, format_points
 from .run import GradingError, close_standby, open_to_others, private_copy_of_tests, run_lesson
-from .sandbox import DEFAULT_MEMORY_MB, isolation, namespaces_work, sandbox_user
+from ..sandbox.process import DEFAULT_MEMORY_MB, isolation, namespaces_work, sandbox_user
 from .selection import held_lessons, lesson_files, lesson_ranges, select
-from .submission import read_submission
+from ..sandbox.submission import read_submission
 
 
 def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = None,

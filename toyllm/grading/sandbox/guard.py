@@ -39,7 +39,7 @@ import threading
 import types
 from pathlib import Path
 
-from ..stubs import exercise_functions, model_answer_source
+from ...stubs import exercise_functions, model_answer_source
 
 
 class IndependenceError(Exception):
@@ -106,7 +106,7 @@ def exercises_called(reference_source: str, exercise: str) -> set[str]:
 # --------------------------------------------------------------------------- independence
 
 _TRUSTED_DIRS = tuple({str(Path(p).resolve()) + os.sep for p in (
-    Path(__file__).resolve().parents[1],                          # toyllm
+    Path(__file__).resolve().parents[2],                          # toyllm
     Path(importlib.util.find_spec("torch").origin).resolve().parent,     # found, not imported
     sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"])})
 

@@ -1,6 +1,6 @@
 """The grading rules in this process: what a plain pytest run of the graded tests uses instead of the sandbox.
 
-Under the grader the submission runs in its sandbox (``toyllm.grading.sandbox``); in a plain pytest run
+Under the grader the submission runs in its sandbox (``toyllm.grading.sandbox.process``); in a plain pytest run
 (``TOYLLM_IMPL=... pytest tests/grading``) it runs here, each call under the same rules
 (``guard.rules``: the independence rule, one exercise at a time) for the test that runs.
 """
@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 
 from . import guard
-from .sandbox import SANDBOX_ENV, _get_sandbox, context, describe_call
+from ..settings import Settings
+from .process import _get_sandbox, context, describe_call
 
 
 def _report(violations: list) -> None:
@@ -63,12 +64,12 @@ def sandboxed(target: str, *args, **kwargs):
     arguments are the sandbox's own copies); in a plain pytest run, this
     process, under the same rules. Use it for helpers that must call
     submitted code many times or hand it to other processes (see
-    ``toyllm.grading.harness``). The value must be plain data.
+    ``toyllm.grading.sandbox.harness``). The value must be plain data.
     """
     module_name, _, fn_name = target.partition(":")
     if not module_name.startswith("toyllm.") or not fn_name:
         raise ValueError(f"sandboxed() runs 'toyllm.module:function' helpers, got {target!r}")
-    if os.environ.get(SANDBOX_ENV) == "1":
+    if Settings.from_env(os.environ).sandbox == "1":
         what = describe_call(fn_name, args, kwargs)
         return _get_sandbox().call(("harness", target), args, kwargs, what)
     fn = getattr(importlib.import_module(module_name), fn_name)

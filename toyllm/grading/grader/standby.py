@@ -1,6 +1,6 @@
 """A trusted pytest process started ahead, so that checking an exercise again does not wait for Python.
 
-``run.Standby`` starts ``python -m toyllm.grading.standby`` with the
+``run.Standby`` starts ``python -m toyllm.grading.grader.standby`` with the
 settings that do not change between checks (the sandbox's memory limit,
 the folders it must not see). It imports torch, pytest, the grading plugin
 and the engine, starts a sandbox ahead (``sandbox.prestart``: a process
@@ -22,11 +22,12 @@ def main() -> None:
     import pytest_timeout  # noqa: F401
     import torch  # noqa: F401  (what takes the time)
 
-    import toyllm.grading.harness  # noqa: F401
+    import toyllm.grading.sandbox.harness  # noqa: F401
     import toyllm.parallel  # noqa: F401
 
-    from .. import answers
-    from . import plugin, sandbox  # noqa: F401
+    from ... import answers
+    from . import plugin  # noqa: F401
+    from ..sandbox import process as sandbox
 
     answers.answer_marks()            # the marks are read from toyllm's source once per process
     sandbox.prestart()

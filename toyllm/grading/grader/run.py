@@ -12,12 +12,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..supervise import die_with_parent, signal_group
-from ..course import COURSE_ENV, IMPL_ENV, course_root, grading_tests_dir, solutions_dir
+from ...supervise import die_with_parent, signal_group
+from ...course import course_root, grading_tests_dir, solutions_dir
 from .outcome import outcome, read_log
-from .plugin import EXERCISES_ENV, LESSON_ENV, LOG_ENV
 from .report import TestResult, printable
-from .sandbox import HIDE_ENV, MEMORY_ENV, SANDBOX_ENV, SCRATCH_ENV, TIMEOUT_ENV
+from ..settings import Settings
 
 
 class GradingError(RuntimeError):
@@ -79,7 +78,7 @@ def private_copy_of_tests(tmp: Path, extra_dir: Path | None) -> tuple[Path, Path
     return local, private_extra
 
 
-_FIXED = {SANDBOX_ENV: "1", "PYTHONHASHSEED": "0",
+_FIXED = {**Settings(sandbox="1").to_env(), "PYTHONHASHSEED": "0",
           "PYTHONDONTWRITEBYTECODE": "1",     # no __pycache__ beside a submission
           "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}   # only the plugins named on the command line
 
@@ -89,13 +88,13 @@ def sandbox_settings(memory_mb: int, extra_dir_original: Path | None) -> dict[st
     hide = [grading_tests_dir().parent, extra_dir_original]
     if (course_root() / "solutions").is_dir():
         hide.append(solutions_dir())                      # the sandbox gets its own copies, minus the graded answer
-    return {COURSE_ENV: str(course_root()), MEMORY_ENV: str(memory_mb),
-            HIDE_ENV: os.pathsep.join(str(p) for p in hide if p is not None),
-            "TOYLLM_FAST": os.environ.get("TOYLLM_FAST", "")}
+    return Settings(course=str(course_root()), memory_mb=str(memory_mb),
+                    hide=os.pathsep.join(str(p) for p in hide if p is not None),
+                    fast=Settings.from_env(os.environ).fast or "").to_env()
 
 
 class Standby:
-    """A trusted pytest process started ahead (``toyllm.grading.standby``), claimed by the next lesson or check.
+    """A trusted pytest process started ahead (``toyllm.grading.grader.standby``), claimed by the next lesson or check.
 
     It has imported torch, pytest and the plugin, and has a sandbox warming
     up, before anyone knows what it will grade; it runs once. Its scratch
@@ -106,10 +105,10 @@ class Standby:
         self.settings = settings
         self.home = Path(tempfile.mkdtemp(prefix="toyllm-standby-"))
         remove_when_gone(self.home)
-        env = dict(os.environ, **settings, **_FIXED, **{SCRATCH_ENV: str(self.home)})
-        self.proc = subprocess.Popen([sys.executable, "-m", "toyllm.grading.standby"], cwd=self.home, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=die_with_parent)
+        env = {**os.environ, **settings, **_FIXED, **Settings(scratch=str(self.home)).to_env()}
+        self.proc = subprocess.Popen([sys.executable, "-m", "toyllm.grading.grader.standby"], cwd=self.home,
+                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
         atexit.register(self.close)
 
     def fits(self, settings: dict[str, str]) -> bool:
@@ -152,14 +151,15 @@ def run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env:
     log = tmp / f"ex{lesson:02d}.jsonl"
     out = tmp / f"ex{lesson:02d}.out"
     cmd = [sys.executable, "-m", "pytest", *map(str, files), *([str(extra_dir)] if extra_dir else []),
-           "-p", "pytest_timeout", "-p", "toyllm.grading.plugin", "-p", "no:cacheprovider", f"--timeout={timeout_s:g}", "-q", "--no-header",
+           "-p", "pytest_timeout", "-p", "toyllm.grading.grader.plugin", "-p", "no:cacheprovider",
+           f"--timeout={timeout_s:g}", "-q", "--no-header",
            "--import-mode=importlib", f"--rootdir={tmp}", "-c", os.devnull, "-o", "console_output_style=classic"]
     # The grader's own folder (tmp) is not listed: it is the grader's alone (mode 0700), and in a
     # namespace it lies under the sandbox's fresh /tmp anyway; so the settings stay the same from one
     # check to the next, and a standby started for one fits the next.
     settings = sandbox_settings(memory_mb, extra_dir_original)
-    run = {IMPL_ENV: impl_env, LOG_ENV: str(log), LESSON_ENV: str(lesson), TIMEOUT_ENV: f"{timeout_s:g}",
-           EXERCISES_ENV: ",".join(sorted(exercises or ())), SCRATCH_ENV: str(tmp)}
+    run = Settings(impl=impl_env, log=str(log), lesson=str(lesson), timeout=f"{timeout_s:g}",
+                   exercises=",".join(sorted(exercises or ())), scratch=str(tmp)).to_env()
     global _standby
     standby, _standby = _standby, None
     if standby is not None and not standby.fits(settings):

@@ -20,21 +20,24 @@ import os
 import re
 import time
 
-from .. import answers
-from . import sandbox
-from ..course import IMPL_ENV, NAMED_IMPLS, current_impl, resolve_impl
+from ... import answers
+from ..sandbox import process as sandbox
+from ...course import NAMED_IMPLS, current_impl, resolve_impl
+from ..settings import Settings
 
 EXERCISE_ID = re.compile(r"^(\d+)\.(\d+)$")
 
-# Set by the grader in each pytest subprocess; the hooks below read them.
-LOG_ENV = "TOYLLM_GRADE_LOG"          # file the plugin appends one JSON line per event to
-LESSON_ENV = "TOYLLM_GRADE_LESSON"    # run only tests of this lesson (an int)
-EXERCISES_ENV = "TOYLLM_GRADE_EXERCISES"   # and, if set, only these exercises ("1.2,1.3")
+
+def _settings() -> Settings:
+    """What the grader set in this pytest process (``Settings.log``, ``lesson``, ``exercises``); the hooks read it."""
+    return Settings.from_env(os.environ)
+
 
 def pytest_addoption(parser):
     group = parser.getgroup("toyllm", "toyllm exercises")
     group.addoption("--impl", default=None, metavar="exercises|solutions|DIR",
-                    help=f"implementation that load_exercise() returns (default: ${IMPL_ENV} or 'exercises')")
+                    help=f"implementation that load_exercise() returns "
+                         f"(default: ${Settings.variable('impl')} or 'exercises')")
 
 
 def pytest_configure(config):
@@ -50,8 +53,8 @@ def pytest_configure(config):
             import pytest
 
             raise pytest.UsageError(str(e)) from None
-        config._toyllm_previous_impl = os.environ.get(IMPL_ENV)
-        os.environ[IMPL_ENV] = impl if impl in NAMED_IMPLS else str(folder)
+        config._toyllm_previous_impl = _settings().impl
+        os.environ.update(Settings(impl=impl if impl in NAMED_IMPLS else str(folder)).to_env())
 
 
 def pytest_unconfigure(config):
@@ -59,13 +62,13 @@ def pytest_unconfigure(config):
     if hasattr(config, "_toyllm_previous_impl"):
         previous = config._toyllm_previous_impl
         if previous is None:
-            os.environ.pop(IMPL_ENV, None)
+            os.environ.pop(Settings.variable("impl"), None)
         else:
-            os.environ[IMPL_ENV] = previous
+            os.environ.update(Settings(impl=previous).to_env())
 
 
 def pytest_report_header(config):
-    return f"toyllm exercises: implementation {current_impl()!r} (set {IMPL_ENV} or --impl)"
+    return f"toyllm exercises: implementation {current_impl()!r} (set {Settings.variable('impl')} or --impl)"
 
 
 def exercise_of(item) -> str | None:
@@ -80,7 +83,7 @@ def points_of(item) -> float | None:
 
 
 def _log(record: dict) -> None:
-    path = os.environ.get(LOG_ENV)
+    path = _settings().log
     if path:
         with open(path, "a") as f:              # reopened per record: a crash loses nothing written
             f.write(json.dumps(record) + "\n")
@@ -93,11 +96,12 @@ def _forbidden(exercise: str) -> tuple[str, ...]:
 
 
 def pytest_collection_modifyitems(session, config, items):
-    if not os.environ.get(LOG_ENV):
+    settings = _settings()
+    if not settings.log:
         return
     problems = []
-    lesson = os.environ.get(LESSON_ENV)
-    exercises = set(filter(None, os.environ.get(EXERCISES_ENV, "").split(",")))
+    lesson = settings.lesson
+    exercises = set(filter(None, (settings.exercises or "").split(",")))
     selected, deselected, records = [], [], []
     for item in items:
         ex, pts = exercise_of(item), points_of(item)
@@ -187,7 +191,7 @@ def pytest_runtest_makereport(item, call):
     Never while grading: there a stub scores zero.
     """
     report = yield
-    if not report.failed or answers.EDITION != "student" or os.environ.get(LOG_ENV):
+    if not report.failed or answers.EDITION != "student" or _settings().log:
         return report
     text = str(report.longrepr)
     needs, stub = _NEEDS.search(text), _STUB.search(text)
@@ -205,7 +209,7 @@ def pytest_runtest_teardown(item):
 
 
 def pytest_runtest_logreport(report):
-    if not os.environ.get(LOG_ENV):
+    if not _settings().log:
         return
     message = ""
     if report.failed or report.skipped:

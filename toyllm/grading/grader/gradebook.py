@@ -38,12 +38,12 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from ..measure import usable_cores
-from ..supervise import die_with_parent
-from ..course import course_root, exercises_dir, grading_tests_dir
+from ...measure import usable_cores
+from ...supervise import die_with_parent
+from ...course import course_root, exercises_dir, grading_tests_dir
 from .report import exercise_key, format_points, printable
 from .selection import lesson_files, select
-from .submission import MAX_FILE_BYTES, MAX_TOTAL_BYTES, read_submission
+from ..sandbox.submission import MAX_FILE_BYTES, MAX_TOTAL_BYTES, read_submission
 
 GRADED, NO_FILES, CRASHED, TIMED_OUT = "graded", "no files", "crashed", "timed out"
 GRADING_MB = 2048             # memory one grading takes at its peak (two torch processes, the engine's workers), MiB

@@ -1,6 +1,6 @@
 """The sandbox process: imports the submission and runs its functions for the grader.
 
-Started by ``toyllm.grading.sandbox`` with one end of a socket pair as file
+Started by ``toyllm.grading.sandbox.process`` with one end of a socket pair as file
 descriptor ``argv[1]``; the submission's files are in ``$TOYLLM_IMPL``. It
 answers one request at a time:
 
@@ -42,7 +42,7 @@ import sys
 import threading
 import traceback
 
-from ..supervise import die_with_parent
+from ...supervise import die_with_parent
 
 
 def _error(exc: BaseException, files) -> dict:
@@ -88,7 +88,7 @@ def _raise_answer(answer: dict):
 
 
 # What the harness runs: imported before any submitted code, so their state is the framework's own.
-FRAMEWORK_MODULES = ("toyllm.grading.harness", "toyllm.launch", "toyllm.parallel", "toyllm.simulate",
+FRAMEWORK_MODULES = ("toyllm.grading.sandbox.harness", "toyllm.launch", "toyllm.parallel", "toyllm.simulate",
                      "toyllm.partition", "toyllm.partition_table", "toyllm.generation", "toyllm.analysis",
                      "toyllm.attention", "toyllm.model", "toyllm.cache", "toyllm.answers")
 
@@ -100,7 +100,7 @@ def main(fd: int) -> None:
 
     from . import guard, wire
     from .harness import cost_argument
-    from ..course import exercise_file, load_exercise, resolve_impl
+    from ...course import exercise_file, load_exercise, resolve_impl
 
     for name in FRAMEWORK_MODULES:
         importlib.import_module(name)

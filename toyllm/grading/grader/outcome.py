@@ -19,12 +19,12 @@ def read_log(log: Path) -> list[dict]:
 
 def classify(message: str, default: str) -> tuple[str, str]:
     """(status, message a student can act on) of a failed phase."""
-    for prefix in ("AssertionError: ", "Failed: ", "toyllm.grading.guard.IndependenceError: ",
-                   "toyllm.grading.wire.ReplyTooLarge: "):
+    for prefix in ("AssertionError: ", "Failed: ", "toyllm.grading.sandbox.guard.IndependenceError: ",
+                   "toyllm.grading.sandbox.wire.ReplyTooLarge: "):
         message = message.removeprefix(prefix)
     for name, status in (("SubmissionTimeout", "timeout"), ("SubmissionCrash", "crashed"),
                          ("SubmissionError", default)):
-        prefix = f"toyllm.grading.sandbox.{name}: "
+        prefix = f"toyllm.grading.sandbox.process.{name}: "
         if message.startswith(prefix):
             return status, message.removeprefix(prefix)
     if "Timeout (>" in message:

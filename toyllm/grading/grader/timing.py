@@ -1,6 +1,6 @@
 """How long grading takes: the figures of docs/grading.md, measured side by side in one run.
 
-    python -m toyllm.grading.timing [--rounds 5] [--course-rounds 1]
+    python -m toyllm.grading.grader.timing [--rounds 5] [--course-rounds 1]
 
 1. ``check("3.1")`` (arithmetic) in this warm process, again and again, against a cold start of
    ``python -c "import torch, toyllm"``. The first check starts the grader's processes; from the
@@ -25,9 +25,10 @@ import subprocess
 import sys
 import time
 
-from ..measure import Spread, load_average, usable_cores
-from ..course import course_root, grading_tests_dir
-from .grader import check
+from ...measure import Spread, load_average, usable_cores
+from ...course import course_root, grading_tests_dir
+from ..settings import Settings
+from .grade import check
 
 READ_S = 5.0          # a student reads the result before checking again (and the standby gets ready)
 
@@ -57,8 +58,8 @@ def _plain_pytest(exercise: str) -> float:
 
     lesson = int(exercise.split(".")[0])
     files = sorted(grading_tests_dir().glob(f"test_ex{lesson:02d}_*.py"))
-    before = os.environ.get("TOYLLM_IMPL")
-    os.environ["TOYLLM_IMPL"] = "solutions"
+    before = Settings.from_env(os.environ).impl
+    os.environ.update(Settings(impl="solutions").to_env())
     t = time.perf_counter()
     try:
         with contextlib.redirect_stdout(io.StringIO()):
@@ -66,9 +67,9 @@ def _plain_pytest(exercise: str) -> float:
                                 "-k", f"ex{exercise.replace('.', '_')}_"])
     finally:
         if before is None:
-            os.environ.pop("TOYLLM_IMPL")
+            os.environ.pop(Settings.variable("impl"))
         else:
-            os.environ["TOYLLM_IMPL"] = before
+            os.environ.update(Settings(impl=before).to_env())
     if code != 0:
         raise SystemExit(f"the graded tests of Exercise {exercise} did not pass under plain pytest (exit {code})")
     return time.perf_counter() - t
@@ -89,7 +90,7 @@ def _line(what: str, ours: Spread, base: Spread | None = None, base_name: str = 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m toyllm.grading.timing", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m toyllm.grading.grader.timing", description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds of each check (default 5)")
     parser.add_argument("--course-rounds", type=int, default=1, help="whole-course gradings (default 1; 0 skips)")
     args = parser.parse_args(argv)

@@ -75,7 +75,7 @@ def _needed_paths() -> list[Path]:
 
     return [Path(sys.executable).resolve(), Path(sys.executable).absolute().parent,
             Path(sysconfig.get_paths()["stdlib"]).resolve(),
-            Path(importlib.util.find_spec("torch").origin).resolve().parent, Path(__file__).resolve().parents[1]]
+            Path(importlib.util.find_spec("torch").origin).resolve().parent, Path(__file__).resolve().parents[2]]
 
 
 def closed_folders() -> dict[Path, set[str]]:
@@ -259,7 +259,7 @@ def _kept_paths() -> list[Path]:
     """Folders the sandbox's Python must still see if they sit under a folder that gets a fresh tmpfs."""
     import sysconfig
 
-    paths = {Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix), Path(__file__).resolve().parents[1],
+    paths = {Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix), Path(__file__).resolve().parents[2],
              Path(sys.executable).absolute().parent, Path(sysconfig.get_paths()["stdlib"]).resolve()}
     paths |= {Path(p).resolve() for p in sys.path if p and os.path.isdir(p)} - {Path.cwd().resolve()}
     paths = {p for p in paths if p.is_dir()}
@@ -386,7 +386,7 @@ def main() -> None:
         os.setgroups([])
         os.setgid(gid)
         os.setuid(uid)
-    os.execv(sys.executable, [sys.executable, "-c", "from toyllm.grading.server import serve; serve()",
+    os.execv(sys.executable, [sys.executable, "-c", "from toyllm.grading.sandbox.server import serve; serve()",
                               fd, reference, parent_pid, limits])
 
 

@@ -7,11 +7,11 @@ import os
 import signal
 import sys
 
-from ..supervise import Terminated, stop_signals_as_interrupt
-from ..course import course_root
-from .grader import GradingError, grade
-from .sandbox import DEFAULT_MEMORY_MB
-from ..stubs import sync
+from ...supervise import Terminated, stop_signals_as_interrupt
+from ...course import course_root
+from .grade import GradingError, grade
+from ..sandbox.process import DEFAULT_MEMORY_MB
+from ...stubs import sync
 
 MAX_TIMEOUT_S = 3600      # --timeout: one test may take at most an hour
 MIN_MEMORY_MB = 1024      # --memory-mb: the sandbox must be able to import torch (grade() refuses less)

@@ -35,12 +35,12 @@ namespace along; elsewhere the pytest process is a child subreaper, so
 even processes that detached themselves come back to it and are ended.
 
 Outside the grader (plain ``pytest tests/grading``) the same tests run the
-submission in-process under the same rules (``toyllm.grading.local``), which
+submission in-process under the same rules (``toyllm.grading.sandbox.local``), which
 keeps ``make test`` fast.
 
 Test authors reach trusted helpers that must run next to the submission
 (a model loop that records forward calls, the parallel engine) with
-``sandboxed("toyllm.grading.harness:function", *args)`` (in ``local``).
+``sandboxed("toyllm.grading.sandbox.harness:function", *args)`` (in ``local``).
 """
 from __future__ import annotations
 
@@ -55,16 +55,11 @@ from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
 from . import guard
-from .. import course
-from ..course import SANDBOX_ENV  # noqa: F401  ("1" in the grader's pytest processes; run.py sets it)
-from ..supervise import become_subreaper, describe_exit, die_with_parent, signal_group
+from ... import course
+from ...supervise import become_subreaper, describe_exit, die_with_parent, signal_group
+from ..settings import Settings
 from .launcher import ID_RANGE, closed_folders, namespaces_work, unused_id
 
-TIMEOUT_ENV = "TOYLLM_GRADE_TIMEOUT"          # seconds per test (the grader's --timeout)
-MEMORY_ENV = "TOYLLM_GRADE_MEMORY_MB"         # address-space limit of the sandbox (MiB)
-USER_ENV = "TOYLLM_SANDBOX_USER"              # who runs the submission when the grader is root
-HIDE_ENV = "TOYLLM_GRADE_HIDE"                # folders the submission must not see (os.pathsep-separated)
-SCRATCH_ENV = "TOYLLM_GRADE_SCRATCH"          # the grader's private folder, where sandbox scratch folders go
 DEFAULT_MEMORY_MB = 8192
 CPU_LIMIT_S = 900                             # CPU seconds per sandbox process
 FILE_LIMIT_BYTES = 256 * 2**20
@@ -100,7 +95,7 @@ context = _Context()
 def _time_left(default_s: float | None = None) -> float:
     if context.deadline is not None:
         return max(context.deadline - time.monotonic(), 0.5)
-    return default_s if default_s is not None else float(os.environ.get(TIMEOUT_ENV, "20"))
+    return default_s if default_s is not None else float(Settings.from_env(os.environ).timeout or "20")
 
 
 def describe_call(name: str, args, kwargs) -> str:
@@ -132,17 +127,18 @@ def sandbox_user() -> tuple[int, int] | None:
         return None
     import pwd
 
-    fresh = None if os.environ.get(USER_ENV) else unused_id()
+    named = Settings.from_env(os.environ).user
+    fresh = None if named else unused_id()
     if fresh is not None and not (closed_folders() and not namespaces_work()):
         return fresh, fresh
-    name = os.environ.get(USER_ENV) or "nobody"
+    name = named or "nobody"
     try:
         entry = pwd.getpwnam(name)
     except KeyError:
         raise RuntimeError(f"the grader runs as root but there is no user {name!r} to run submissions as; "
-                           f"create one or set {USER_ENV}") from None
+                           f"create one or set {Settings.variable('user')}") from None
     if entry.pw_uid == 0:
-        raise RuntimeError(f"{USER_ENV}={name} is root; submissions must run as an unprivileged user")
+        raise RuntimeError(f"{Settings.variable('user')}={name} is root; submissions must run as an unprivileged user")
     if closed_folders() and not namespaces_work():
         return None                   # that user could not even start Python: see isolation()
     return entry.pw_uid, entry.pw_gid
@@ -152,12 +148,13 @@ def isolation() -> str:
     """One line saying who runs the submission (shown with every grade)."""
     if os.geteuid() != 0:
         return "the submission runs in its own process, as the grader's user"
-    name = os.environ.get(USER_ENV) or "nobody"
+    named = Settings.from_env(os.environ).user
+    name = named or "nobody"
     user = sandbox_user()
     if user is None:
         return (f"WARNING: the submission runs as root: user {name!r} cannot reach "
                 f"{', '.join(map(str, closed_folders()))} to run Python, and mount namespaces are not available")
-    who = f"user {name!r}" if os.environ.get(USER_ENV) or user[0] < ID_RANGE.start else "a user id of its own"
+    who = f"user {name!r}" if named or user[0] < ID_RANGE.start else "a user id of its own"
     return f"the submission runs in its own process as {who}" + \
         (", with the course's tests out of sight and its own network, IPC and writable folders"
          if namespaces_work() else "")
@@ -199,16 +196,17 @@ class Sandbox:
         # the grader's private folder (removed with it, even after a SIGKILL of this process); otherwise the
         # sandbox user must reach it.
         private = self.user is None or namespaces_work()
-        scratch = Path(tempfile.mkdtemp(prefix="toyllm-sandbox-", dir=os.environ.get(SCRATCH_ENV) if private else None))
+        scratch = Path(tempfile.mkdtemp(prefix="toyllm-sandbox-", dir=Settings.from_env(os.environ).scratch if private else None))
         if self.user is not None:
             os.chown(scratch, *self.user)
         parent, child = socket.socketpair()
         env = {"PATH": os.defpath, "HOME": str(scratch), "TMPDIR": str(scratch), "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "PYTHONNOUSERSITE": "1",
-               "OMP_NUM_THREADS": "1", "TOYLLM_IMPL": str(scratch / "submission")}
-        for name in ("TOYLLM_FAST", "LD_LIBRARY_PATH"):        # the lesson's size switch; where libpython is
-            if name in os.environ:
-                env[name] = os.environ[name]
+               "OMP_NUM_THREADS": "1",
+               # the submission's copy; the lesson's size switch, handed on if set
+               **Settings(impl=str(scratch / "submission"), fast=Settings.from_env(os.environ).fast).to_env()}
+        if "LD_LIBRARY_PATH" in os.environ:                    # where libpython is
+            env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
         limits = f"{self.memory_mb},{CPU_LIMIT_S},{FILE_LIMIT_BYTES},{PROCESS_LIMIT if self.user else 0}"
         user = f"{self.user[0]},{self.user[1]}" if self.user else "-"
         hide = os.pathsep.join(str(p) for p in self.hide)
@@ -232,7 +230,7 @@ class Sandbox:
 
     def _files(self) -> dict[str, str]:
         """The submission as it is now: its files' text ({"submission/exNN_*.py": text})."""
-        from ..course import resolve_impl
+        from ...course import resolve_impl
         from .submission import read_submission
 
         # Text read as regular files, never through a link; grade() reports what was skipped.
@@ -242,7 +240,7 @@ class Sandbox:
     def _answers(self) -> tuple[dict[str, str], list[str]]:
         """The model answers the graded exercise may use and those its own model answer calls
         (``model_answers_for``); none outside a test, and none in the student edition."""
-        from ..course import solutions_dir
+        from ...course import solutions_dir
 
         try:
             reference = solutions_dir()
@@ -433,8 +431,8 @@ def model_answers_for(exercise: str | None, reference: Path) -> tuple[dict[str, 
     exercise is a stub in the text, and a file with none of them is left out: 1.1 calling the submission's
     1.2 reaches only the submission's 1.2.
     """
-    from ..course import GRADED_TESTS_RUN, lesson_module
-    from ..stubs import make_stub
+    from ...course import GRADED_TESTS_RUN, lesson_module
+    from ...stubs import make_stub
 
     if exercise is None:                    # outside a test: no answer at all
         return {}, set()
@@ -501,8 +499,9 @@ _sandbox: Sandbox | None = None
 def _get_sandbox() -> Sandbox:
     global _sandbox
     if _sandbox is None:
-        hide = [p for p in os.environ.get(HIDE_ENV, "").split(os.pathsep) if p]
-        _sandbox = Sandbox(int(os.environ.get(MEMORY_ENV, DEFAULT_MEMORY_MB)), hide)
+        settings = Settings.from_env(os.environ)
+        hide = [p for p in (settings.hide or "").split(os.pathsep) if p]
+        _sandbox = Sandbox(int(settings.memory_mb or DEFAULT_MEMORY_MB), hide)
     return _sandbox
 
 
@@ -547,7 +546,7 @@ class RemoteModule:
     """The submission's exercise module as the graded tests see it: attribute access gives ``RemoteFunction``s."""
 
     def __init__(self, name: str):
-        from ..course import exercise_file, resolve_impl
+        from ...course import exercise_file, resolve_impl
 
         self._name = name
         self.__file__ = exercise_file(resolve_impl(), name)

@@ -1,6 +1,6 @@
 """How long a class takes to grade: the figures of docs/grading.md's "Grading a class", measured in one run.
 
-    python -m toyllm.grading.class_timing [--students 20] [--ratio-students 4] [--rounds 2]
+    python -m toyllm.grading.grader.class_timing [--students 20] [--ratio-students 4] [--rounds 2]
 
 1. A class of ``--students`` copies of the model answers of lessons 01-03, graded by ``grade --class``
    at the default ``--jobs``: seconds per student and lesson (the wall time over students x 3).
@@ -20,9 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..measure import Spread, load_average, usable_cores
-from ..supervise import stop_signals_as_interrupt
-from ..course import solutions_dir
+from ...measure import Spread, load_average, usable_cores
+from ...supervise import stop_signals_as_interrupt
+from ...course import solutions_dir
+from ..settings import Settings
 from .gradebook import GRADED, Options, default_jobs, grade_class
 
 LESSONS = ("ex01", "ex02", "ex03")
@@ -54,7 +55,7 @@ def _grade(folder: Path, jobs: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m toyllm.grading.class_timing", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m toyllm.grading.grader.class_timing", description=__doc__.split("\n")[0])
     parser.add_argument("--students", type=int, default=20, help="the class graded at the default --jobs (default 20)")
     parser.add_argument("--ratio-students", type=int, default=4, help="the class graded at --jobs 1 and 2 (default 4)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of --jobs 1 and --jobs 2 (default 2)")
@@ -84,6 +85,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.pop("TOYLLM_IMPL", None)
+    os.environ.pop(Settings.variable("impl"), None)
     with stop_signals_as_interrupt():          # SIGTERM unwinds like Ctrl-C: every grading started is ended
         main()

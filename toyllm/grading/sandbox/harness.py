@@ -8,7 +8,7 @@ plain data only (numbers, lists, tensors, dataclass fields), which the
 graded test then checks against references of its own::
 
     from toyllm.grading import sandboxed
-    draws = sandboxed("toyllm.grading.harness:repeat", ex01.sample_next_token, 400, logits, seed=0, top_k=3)
+    draws = sandboxed("toyllm.grading.sandbox.harness:repeat", ex01.sample_next_token, 400, logits, seed=0, top_k=3)
 
 A helper runs inside the submission's process, so it checks nothing
 itself: every verdict is the graded test's, in the trusted process. What
@@ -32,9 +32,8 @@ import os
 
 import torch
 
+from ..settings import Settings
 from .counted import MAX_EVALUATIONS, Counted, TooManyEvaluations, cost_argument, trusted_cost  # noqa: F401
-
-GUARDED_STEP_ENV = "TOYLLM_GRADE_STEP"      # what ``guarded_step`` runs, under which rules (JSON)
 
 
 def repeat(fn, n: int, *args, seed: int = 0, **kwargs) -> list:
@@ -101,13 +100,14 @@ def parallel_prefill(spec, ids, method: str, p: int, chunks, step=None, **kwargs
 
     from .guard import current
 
-    env = {}
+    rules = None                                       # what guarded_step runs, under which rules (Settings.step)
     if step is not None:
         exercise, forbidden, files = current()
-        env[GUARDED_STEP_ENV] = json.dumps({"step": step_reference(step), "exercise": exercise,
-                                            "forbidden": list(forbidden), "files": list(files)})
+        rules = json.dumps({"step": step_reference(step), "exercise": exercise,
+                            "forbidden": list(forbidden), "files": list(files)})
         step = f"{__name__}:guarded_step"
-    key = (p, env.get(GUARDED_STEP_ENV))
+    env = Settings(step=rules).to_env()
+    key = (p, rules)
     if key not in _pools or _pools[key].closed:
         _pools[key] = _pool_with_answers(p, env)
     result = run(spec, ids, method, p, chunks, pool=_pools[key], step=step, **kwargs)
@@ -143,7 +143,7 @@ _guarded: dict = {}
 
 
 def guarded_step(layer, x, pos, comm, attention):
-    """The submitted per-layer step named in ``$TOYLLM_GRADE_STEP``, called under the grading rules.
+    """The submitted per-layer step named in ``Settings.step`` (``$TOYLLM_GRADE_STEP``), called under the rules.
 
     Runs in an engine worker. The framework's state is recorded before the
     submitted file is first imported there, and checked after every call.
@@ -156,7 +156,7 @@ def guarded_step(layer, x, pos, comm, attention):
         for name in ("toyllm.parallel", "toyllm.launch", "toyllm.answers", __name__):
             __import__(name)
         _guarded["state"] = guard.framework_state()
-        _guarded["rules"] = json.loads(os.environ[GUARDED_STEP_ENV])
+        _guarded["rules"] = json.loads(Settings.from_env(os.environ).step)
         _guarded["fn"] = guarded_step.__wrapped__ = resolve_step(_guarded["rules"]["step"])   # named in errors
     rules, fn = _guarded["rules"], _guarded["fn"]
     files = [*rules["files"], getattr(getattr(fn, "__code__", None), "co_filename", "")]
@@ -173,8 +173,6 @@ def close_pools() -> None:
     while _pools:
         _pools.popitem()[1].close()
 
-
-TRACE_ENV = "TOYLLM_GRADE_TRACE"       # folder where ``traced_step`` leaves what each rank attended over
 
 
 def engine_trace(spec, ids, method: str, p: int, chunks, step, timeout_s: float = 20) -> list[dict]:
@@ -198,9 +196,9 @@ def engine_trace(spec, ids, method: str, p: int, chunks, step, timeout_s: float 
 
     exercise, forbidden, files = current()
     folder = Path(tempfile.mkdtemp(prefix="toyllm-trace-"))
-    env = {GUARDED_STEP_ENV: json.dumps({"step": step_reference(step), "exercise": exercise,
-                                         "forbidden": list(forbidden), "files": list(files)}),
-           TRACE_ENV: str(folder)}
+    env = Settings(step=json.dumps({"step": step_reference(step), "exercise": exercise,
+                                    "forbidden": list(forbidden), "files": list(files)}),
+                   trace=str(folder)).to_env()         # traced_step leaves what each rank attended over in folder
     pool = _pool_with_answers(p, env)
     try:
         run(spec, ids, method, p, chunks, pool=pool, step=f"{__name__}:traced_step", warmup=0,
@@ -228,7 +226,7 @@ class _RecordingLayer:
 
 
 def traced_step(layer, x, pos, comm, attention):
-    """``guarded_step`` with the layer's ``attend`` recorded; one file per rank and layer in ``$TOYLLM_GRADE_TRACE``."""
+    """``guarded_step`` with the layer's ``attend`` recorded; one file per rank and layer in ``Settings.trace``."""
     from pathlib import Path
 
     recording = _RecordingLayer(layer)
@@ -236,7 +234,7 @@ def traced_step(layer, x, pos, comm, attention):
     seen = recording.attended or {"q_pos": None, "k_pos": None, "k": None, "v": None}
     record = {"rank": comm.rank, "layer": comm.layer, **seen, "k_out": out[1].detach().clone(),
               "v_out": out[2].detach().clone()}
-    torch.save(record, Path(os.environ[TRACE_ENV]) / f"{comm.rank}-{comm.layer}.pt")
+    torch.save(record, Path(Settings.from_env(os.environ).trace) / f"{comm.rank}-{comm.layer}.pt")
     return out
 
 
