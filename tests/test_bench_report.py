@@ -384,3 +384,32 @@ def test_window_products_times_each_layout_in_turns():
     out = window_products(batch=4, keys=10, gaps=(0, 3, 20), head_dim=8, rounds=2)
     assert out["gaps"] == [0, 3, 20] and [len(r.runs) for r in out["runs"]] == [2, 2, 2]
     assert out["verdict"].ours is out["runs"][0] and out["verdict"].base is out["runs"][-1]
+
+
+def test_ring_section_decides_each_comparison_and_each_link_from_the_rounds():
+    from toyllm.measure import compare, spread
+
+    def runs(*medians):
+        return {name: spread([m * f for f in (0.98, 0.99, 1.0, 1.01, 1.02)]) for name, m in medians}
+
+    family = runs(("1 process, 1 thread", 3.0), ("1 process, 2 threads", 2.0), ("TSP-zigzag", 1.8), ("KVR-S", 1.7),
+                  ("ring", 2.4), ("ring-zigzag", 1.75))
+    verdict = {"base": compare(family["ring-zigzag"], family["1 process, 2 threads"]),
+               "zigzag": compare(family["ring-zigzag"], family["TSP-zigzag"]),
+               "kvr": compare(family["ring-zigzag"], family["KVR-S"]),
+               "balance": compare(family["ring-zigzag"], family["ring"])}
+    fast, slow = spread([0.10, 0.11, 0.12, 0.105, 0.115]), spread([0.30, 0.31, 0.32, 0.305, 0.315])
+    passes = [{"new": 256, "cached": 3840, "share": 1 / 16, "link": "1 GB/s (simulated)", "kv": slow, "q": fast,
+               "q_vs_kv": compare(fast, slow), "bytes": {"kv": 3_145_728, "q": 297_984, "choose": "q"}},
+              {"new": 2048, "cached": 2048, "share": 1 / 2, "link": "1 GB/s (simulated)", "kv": fast, "q": slow,
+               "q_vs_kv": compare(slow, fast), "bytes": {"kv": 3_145_728, "q": 4_767_744, "choose": "kv"}}]
+    text = render_section("ring", {"machine": "quiet", "rounds": 5, "total": 4096, "rule_share": 0.248,
+                                   "heads": (9, 3, 64), "passes": passes,
+                                   "families": [{"model": "bench", "context": 8192, "chunks": [5734, 2458],
+                                                 "runs": family, "baseline": "1 process, 2 threads", "rounds": 5,
+                                                 "verdicts": verdict}]})
+    assert "vs contiguous ring 2.400 s [2.352-2.448 s]: ring-zigzag is 1.37x faster" in text, text
+    assert "vs TSP-zigzag 1.800 s [1.764-1.836 s]: a tie" in text, text
+    assert "1 GB/s (simulated): pass-Q is 2.82x faster than pass-KV at 6.2% new; 2.82x slower than pass-KV at 50.0% new." \
+        in text, text
+    assert "pass-Q wins below a new share of 24.8%" in text and "| pass-Q |" in text and "| pass-KV |" in text

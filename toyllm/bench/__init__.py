@@ -7,8 +7,8 @@ between numbers measured in the same run, and every comparison is decided
 by ``toyllm.measure`` (interleaved runs, ``compare``'s rank test). Nothing
 here is asserted by tests.
 
-One module per kind of section (``generation``, ``prefill``, ``search``,
-``attention``, ``decode``, ``serving``); ``report`` turns a section's
+One module per kind of section (``generation``, ``prefill``, ``ring``,
+``search``, ``attention``, ``decode``, ``serving``); ``report`` turns a section's
 numbers into its Markdown and writes the file. This module runs them.
 """
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .decode import add_floor_figures, bench_batched, bench_decode_step, bench_w
 from .generation import bench_first_token, bench_generation, naive_vs_cached, time_naive_and_cached
 from .prefill import bench_kernels, bench_prefill, time_split
 from .report import render_section, write_blocks
+from .ring import bench_ring
 from .search import bench_search, bench_table
 from .serving import bench_serving
 
@@ -93,7 +94,7 @@ def machine_line() -> str:
 SECTIONS = {"generation": bench_generation, "first_token": bench_first_token, "prefill": bench_prefill,
             "search": bench_search, "table": bench_table, "kernels": bench_kernels, "attention": bench_attention,
             "weights": bench_weights, "batched": bench_batched, "decode_step": bench_decode_step,
-            "serving": bench_serving}
+            "serving": bench_serving, "ring": bench_ring}
 
 
 def run_benchmarks(out: str, sections: list[str] | None = None, quick: bool = False) -> None:
