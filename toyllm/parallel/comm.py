@@ -300,8 +300,15 @@ class Ring(_Comm):
         t0 = self.tl.now()
         message = torch.stack(block)                                     # (n, B, heads, c_origin, D): one message
         shape = (*message.shape[:-2], self.block_tokens[self.origin(step + 1)], message.shape[-1])
-        incoming = self._receive(shape, message, self.prev)
-        self._post(message, self.next)
+        # With two ranks both messages of a step cross one pair, and NCCL runs a pair's operations in the order
+        # they were posted: the lower rank sends first and the higher receives first, or both would wait to
+        # receive. (Gloo takes them in any order.)
+        if self.rank < self.next:
+            self._post(message, self.next)
+            incoming = self._receive(shape, message, self.prev)
+        else:
+            incoming = self._receive(shape, message, self.prev)
+            self._post(message, self.next)
         self.tl.add("send", t0, self.tl.now(), self.layer, f"ring step {step}")
         return incoming
 
@@ -315,11 +322,19 @@ class Ring(_Comm):
         mine = partials[self.rank]
         t0 = self.tl.now()
         packed = torch.cat([mine[0], mine[1][..., None]], dim=-1)[None]   # (1, B, H, c_r, D + 1)
-        incoming = [self._receive(packed.shape, packed, src) for src in range(self.world_size) if src != self.rank]
-        for dst in range(self.world_size):
-            if dst != self.rank:
-                out, lse = partials[dst]
-                self._post(torch.cat([out, lse[..., None]], dim=-1)[None].contiguous(), dst)
+        incoming = []
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                continue
+            out, lse = partials[peer]
+            answer = torch.cat([out, lse[..., None]], dim=-1)[None].contiguous()
+            # one pair, two messages: the lower rank sends first (see pass_on)
+            if self.rank < peer:
+                self._post(answer, peer)
+                incoming.append(self._receive(packed.shape, packed, peer))
+            else:
+                incoming.append(self._receive(packed.shape, packed, peer))
+                self._post(answer, peer)
         self.tl.add("send", t0, self.tl.now(), self.layer, "partial outputs")
         got = [mine]
         for arriving in incoming:
