@@ -539,7 +539,7 @@ class RingExplorer(_Explorer):
         self.balance = W.ToggleButtons(options=["none", "zigzag"], value=balance, description="layout")
         self.kernel = W.ToggleButtons(options=["dense", "causal"], value=kernel, description="kernel")
         self._observe(self.world_size, self.step, self.balance, self.kernel)
-        self.widget = W.VBox([self.step, self.world_size, self.balance, self.kernel, self.text, self.out])
+        self.widget = W.VBox([self.world_size, self.step, self.balance, self.kernel, self.text, self.out])
         self.update()
 
     def update(self) -> None:
