@@ -210,17 +210,18 @@ def test_ring_zigzag_errors():
         simulate_prefill(BENCH, [100, 50], "ring", CPU_LIKE, balance="zigzag")
 
 
-# --------------------------------------------------------------------------- ring attention (pass-Q)
+# --------------------------------------------------------------------------- ring after a cache (pass-Q, pass-KV)
 
 GQA = BENCH.with_(n_kv_heads=2)      # 8 query heads share 2 KV heads: K and V are a quarter of Q's size
 
 
+@pytest.mark.parametrize("ring_pass", ["q", "kv"])
 @pytest.mark.parametrize("pairs", ["dense", "causal"])
-def test_pass_q_on_one_process_continues_the_cache_like_a_single_run(pairs):
+def test_pass_q_on_one_process_continues_the_cache_like_a_single_run(pairs, ring_pass):
     """No messages: per layer the projections and MLP of the C new tokens and their attention over N + C keys."""
     N, C = 3000, 1000
     cm = CPU_LIKE.with_(attention_pairs=pairs, attn_unaligned_s_per_dot=1e-9)
-    res = simulate_prefill(BENCH, [C], "ring", cm, ring_pass="q", cached=N)
+    res = simulate_prefill(BENCH, [C], "ring", cm, ring_pass=ring_pass, cached=N)
     per_layer = (cm.layer_overhead_s + cm.qkv_s_per_token * C + cm.attention_s(C, N, N + C)
                  + cm.mlp_s_per_token * C)
     assert res.ttft_s == pytest.approx(BENCH.n_layers * per_layer, rel=1e-12)
@@ -271,34 +272,97 @@ def test_pass_q_sends_p_minus_1_query_blocks_and_the_partials_back(p):
             assert attended == [f"attention of queries {(rank - s) % p}" for s in range(p)]   # none skipped
 
 
-def test_pass_q_beats_pass_kv_where_ring_traffic_chooses_q():
-    """Pass-KV has no cache to continue: its run that gives the same first token prefills all N + C tokens and
-    moves ring_traffic's "kv" bytes. On a slow link the pass that sends fewer bytes finishes first."""
+@pytest.mark.parametrize("balance", ["none", "zigzag"])
+@pytest.mark.parametrize("p", [2, 4])
+def test_pass_kv_after_a_cache_with_an_instant_link_computes_what_pass_q_does(p, balance):
+    """Every rank attends its c new queries over p blocks of n + c keys: pass-Q's closed form (dense kernel). A
+    causal kernel: the ranks compute pass-Q's visible pairs, C N + C (C + 1) / 2 a layer (not always on the same
+    rank)."""
+    N, C = 512 * p, 256 * p
+    n, c = N // p, C // p
+    free = CPU_LIKE.with_(link_bandwidth_bytes_per_s=math.inf, link_latency_s=0.0)
+    chunks = zigzag_chunks(C, p) if balance == "zigzag" else even_partition(C, p)
+    kv = simulate_prefill(BENCH, chunks, "ring", free, balance=balance, ring_pass="kv", cached=N)
+    per_layer = (free.layer_overhead_s + free.qkv_s_per_token * c + free.attn_s_per_dot * p * c * (n + c)
+                 + free.mlp_s_per_token * c)
+    assert kv.ttft_s == pytest.approx(BENCH.n_layers * per_layer, rel=1e-12)
+    assert kv.ttft_s == kv.per_rank_finish_s[0 if balance == "zigzag" else -1]
+    q = simulate_prefill(BENCH, chunks, "ring", free, balance=balance, ring_pass="q", cached=N)
+    assert kv.ttft_s == pytest.approx(q.ttft_s, rel=1e-12)
+    causal = free.with_(attention_pairs="causal")
+    runs = {ring_pass: simulate_prefill(BENCH, chunks, "ring", causal, balance=balance, ring_pass=ring_pass,
+                                        cached=N) for ring_pass in ("kv", "q")}
+    attention = {ring_pass: sum(rank_kind_seconds(res, r, "compute", "attention") for r in range(p))
+                 for ring_pass, res in runs.items()}
+    assert attention["kv"] == pytest.approx(attention["q"], rel=1e-12)
+    assert attention["kv"] == pytest.approx(BENCH.n_layers * free.attn_s_per_dot * (C * N + C * (C + 1) / 2),
+                                            rel=1e-12)
+    # continuing the cache beats the pass-KV prefill of all N + C tokens, which computes the cached ones again
+    whole = zigzag_chunks(N + C, p) if balance == "zigzag" else even_partition(N + C, p)
+    assert kv.ttft_s < simulate_prefill(BENCH, whole, "ring", free, balance=balance).ttft_s
+
+
+@pytest.mark.parametrize("balance", ["none", "zigzag"])
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_pass_kv_after_a_cache_sends_each_ranks_cached_shard_and_new_tokens(p, balance):
+    """A block is a rank's n cached and c new tokens' K and V, 2 (n + c) rows; every block is attended."""
+    N, C, L = 4002, 1206, BENCH.n_layers
+    slow = CPU_LIKE.with_(link_bandwidth_bytes_per_s=1e8)
+    chunks, shard = ((zigzag_chunks(C, p), zigzag_chunks(N, p)) if balance == "zigzag" else
+                     (even_partition(C, p), even_partition(N, p)))
+    res = simulate_prefill(BENCH, chunks, "ring", slow, balance=balance, ring_pass="kv", cached=N)
+    kv_row = BENCH.n_kv_heads * BENCH.head_dim * 4                    # one token's K (or V), float32
+    assert len([e for e in res.events if e.kind == "send"]) == p * (p - 1) * L
+    for rank in range(p):
+        for layer in range(L):
+            mine = [e for e in res.events if e.rank == rank and e.layer == layer]
+            steps = {e.label: e.duration_s for e in mine if e.kind == "send"}
+            assert sorted(steps) == [f"ring step {s}" for s in range(p - 1)]
+            for s, seconds in steps.items():
+                origin = (rank - int(s.split()[-1])) % p
+                block = 2 * (shard[origin] + chunks[origin]) * kv_row
+                assert seconds == pytest.approx(block / 1e8 + slow.link_latency_s)
+            attended = [e.label for e in mine if e.label.startswith("attention")]
+            assert attended == [f"attention over block {(rank - s) % p}" for s in range(p)]   # none skipped
+    # all links together carry what ring_traffic counts for pass-KV, every layer
+    from toyllm.parallel.ring import ring_traffic
+
+    sent = sum((e.duration_s - slow.link_latency_s) * 1e8 for e in res.events if e.kind == "send")
+    traffic = ring_traffic(C, N, BENCH.n_heads, BENCH.n_kv_heads, BENCH.head_dim, p)
+    assert sent == pytest.approx(L * traffic["kv"], rel=1e-9)
+
+
+def test_the_faster_pass_after_a_cache_on_a_slow_link_is_the_one_ring_traffic_chooses():
+    """Both passes continue the same N cached tokens and compute the same pairs; pass-KV moves ring_traffic's
+    "kv" bytes, pass-Q its "q" bytes. On a slow link the pass that sends fewer bytes finishes first."""
     from toyllm.parallel.ring import ring_traffic
 
     p, C = 4, 512
+    chunks = even_partition(C, p)
     for bandwidth in (1e7, 3e7):
         cm = CPU_LIKE.with_(link_bandwidth_bytes_per_s=bandwidth)
-        for N, winner in ((7 * C, "q"), (15 * C, "q"), (p, "kv")):   # cached share 7/8, 15/16; 4 tokens
+        for N, winner in ((7 * C, "q"), (15 * C, "q"), (p, "kv"), (C // 4, "kv")):   # new share 1/8, 1/16, ~1, 4/5
             traffic = ring_traffic(C, N, GQA.n_heads, GQA.n_kv_heads, GQA.head_dim, p)
             assert traffic["choose"] == winner
-            q = simulate_prefill(GQA, even_partition(C, p), "ring", cm, ring_pass="q", cached=N,
-                                 record_events=False).ttft_s
-            kv = simulate_prefill(GQA, even_partition(N + C, p), "ring", cm, record_events=False).ttft_s
+            q, kv = (simulate_prefill(GQA, chunks, "ring", cm, ring_pass=ring_pass, cached=N,
+                                      record_events=False).ttft_s for ring_pass in ("q", "kv"))
             assert (q < kv) == (winner == "q"), (bandwidth, N, q, kv)
-    # on an instant link pass-Q still wins at a large cached share: it does not recompute the cached tokens
-    free = CPU_LIKE.with_(link_bandwidth_bytes_per_s=math.inf, link_latency_s=0.0)
-    assert (simulate_prefill(GQA, even_partition(C, p), "ring", free, ring_pass="q", cached=7 * C).ttft_s
-            < simulate_prefill(GQA, even_partition(8 * C, p), "ring", free).ttft_s)
 
 
 def test_pass_q_errors():
     with pytest.raises(ValueError, match=r"unknown ring pass 'k'; choose one of \['kv', 'q'\]"):
         simulate_prefill(BENCH, [4, 4], "ring", CPU_LIKE, ring_pass="k")
-    with pytest.raises(ValueError, match="pass-KV prefills a whole prompt"):
-        simulate_prefill(BENCH, [4, 4], "ring", CPU_LIKE, cached=8)
-    with pytest.raises(ValueError, match="give cached >= 2"):
+    with pytest.raises(ValueError, match="ring_pass='q' continues tokens already cached on every rank: give "
+                                         "cached >= 2"):
         simulate_prefill(BENCH, [4, 4], "ring", CPU_LIKE, ring_pass="q")
+    # pass-KV continues a cache too, under the same rules; without one it prefills a whole prompt
+    with pytest.raises(ValueError, match="ring_pass='kv' continues tokens already cached on every rank: give "
+                                         "cached >= 4"):
+        simulate_prefill(BENCH, [4, 4], "ring", CPU_LIKE, cached=3, balance="zigzag")
+    with pytest.raises(ValueError, match="ring_pass='kv' shares the 3 new token"):
+        simulate_prefill(BENCH, [2, 1], "ring", CPU_LIKE, cached=8, balance="zigzag")
+    with pytest.raises(ValueError, match=r"give chunks=\[4, 4\]"):
+        simulate_prefill(BENCH, [5, 3], "ring", CPU_LIKE, cached=8, balance="zigzag")
     with pytest.raises(ValueError, match="give cached >= 4"):
         simulate_prefill(BENCH, [4, 4], "ring", CPU_LIKE, ring_pass="q", cached=3, balance="zigzag")
     with pytest.raises(ValueError, match="give at least 4 new tokens"):

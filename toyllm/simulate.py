@@ -38,6 +38,8 @@ hand while that block travels on to the next rank; ``toyllm.simulate_ring``.
 Ring pass-Q (``ring_pass="q"``, ``cached=N``) continues N tokens whose keys
 and values are already sharded over the ranks: the new tokens' queries go
 round the ring instead, and each partial output returns to its owner.
+Pass-KV continues them too (``cached=N``): each rank's block is its cached
+shard followed by its new tokens, and the whole block travels.
 """
 from __future__ import annotations
 
@@ -434,10 +436,11 @@ def simulate_prefill(cfg: ModelConfig, chunks: Sequence[int], method: str, cost_
     balance: ring only: "none" or "zigzag" (chunks as the engine's zigzag
     layout gives them, ``toyllm.simulate_ring.zigzag_chunks``; rank 0 gives the first token).
     ring_pass, cached: ring only, as the engine's ``prefill --method ring
-    --pass q --cached N``: "kv" (keys and values travel; a whole prompt,
-    cached=0) or "q" (the queries of the sum(chunks) new tokens travel,
-    continuing ``cached`` tokens already sharded over the ranks, at least
-    one per piece of the balance). Chunks then share out the new tokens.
+    [--pass q] [--cached N]``: "kv" (keys and values travel: of a whole
+    prompt with cached=0, or each rank's cached shard and new tokens) or "q"
+    (the queries of the sum(chunks) new tokens travel). ``cached`` tokens are
+    already sharded over the ranks, at least one per piece of the balance
+    (pass-Q always continues some); chunks then share out the new tokens.
     """
     if method not in SIM_METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {list(SIM_METHODS)}")

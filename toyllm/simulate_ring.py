@@ -1,4 +1,4 @@
-"""Ring attention in the prefill simulator: pass-KV, contiguous chunks or zigzag.
+"""Ring attention in the prefill simulator: pass-KV (contiguous chunks or zigzag, after a cache or not) and pass-Q.
 
 ``toyllm.simulate.simulate_prefill(..., method="ring")`` replays here the
 steps of the real engine's ``ring_pass_kv_layer`` (``toyllm.parallel.ring``),
@@ -37,9 +37,18 @@ values (the lse included), straight back to its owner, all at once (the
 engine's ``return_partials``), waits for the p - 1 partials of its own
 queries, merges them (not charged: a few element-wise operations per
 query) and runs o_proj and the MLP. The bytes per layer are
-``toyllm.parallel.ring.ring_traffic``'s. Pass-KV refuses cached tokens, as
-the engine does: the pass-KV run that gives the same first token prefills
-all cached + C tokens.
+``toyllm.parallel.ring.ring_traffic``'s.
+
+Pass-KV continues ``cached`` tokens too (``ring_pass="kv", cached=N``, the
+engine's ``ring_pass_kv_cached_layer``), from the same shards as pass-Q:
+rank r's block is its n_r cached tokens followed by its c_r new ones, and
+the whole block, 2 (n_r + c_r) rows, travels round the ring as above. The
+rank attends its c_r new queries over every block (no block is skipped:
+every new query sees the cached tokens), the pairs its kernel computes, then
+merges (not charged) and runs o_proj and the MLP. Over a layer the ranks
+compute the same query-key pairs as pass-Q's, though not always on the same
+rank; the two passes differ in what travels: a block of keys and values, or
+a block of queries and then the partial outputs.
 
 The ranks are ``toyllm.simulate``'s clocks (``busy``, ``wait_until``,
 ``t``, ``events``), passed in, so that this module does not import it.
@@ -101,18 +110,15 @@ def check_ring_sim(ring_pass: str, cached: int, balance: str, chunks: list[int])
         raise ValueError(f"unknown ring pass {ring_pass!r}; choose one of {list(RING_PASSES)} (what travels "
                          "round the ring: keys and values, or queries)")
     check_int(cached, "cached must be an integer >= 0 (tokens already in the ranks' caches)", 0)
-    if ring_pass == "kv" and cached:
-        raise ValueError(f"cached={cached}: pass-KV prefills a whole prompt, as in the engine; tokens already "
-                         "cached on the ranks are continued with ring_pass='q' (the pass-KV run that gives the "
-                         "same first token prefills all cached + new tokens, cached=0)")
-    if ring_pass == "q":
+    if ring_pass == "q" or cached:                        # pass-Q always continues a cache
         pieces = 2 * len(chunks) if balance == "zigzag" else len(chunks)
         if cached < pieces:
-            raise ValueError(f"ring_pass='q' continues tokens already cached on every rank: give cached >= "
-                             f"{pieces} (balance={balance!r} shares them out in {pieces} pieces), got {cached}")
+            raise ValueError(f"ring_pass={ring_pass!r} continues tokens already cached on every rank: give "
+                             f"cached >= {pieces} (balance={balance!r} shares them out in {pieces} pieces), "
+                             f"got {cached}")
         if sum(chunks) < pieces:
-            raise ValueError(f"ring_pass='q' shares the {sum(chunks)} new token(s) out in {pieces} pieces "
-                             f"(balance={balance!r}): give at least {pieces} new tokens")
+            raise ValueError(f"ring_pass={ring_pass!r} shares the {sum(chunks)} new token(s) out in {pieces} "
+                             f"pieces (balance={balance!r}): give at least {pieces} new tokens")
 
 
 def token_runs(chunks: list[int], balance: str, start: int = 0) -> list[Runs]:
@@ -126,6 +132,20 @@ def token_runs(chunks: list[int], balance: str, start: int = 0) -> list[Runs]:
     return [[(a + start, b + start) for a, b in runs] for runs in layout]
 
 
+def cached_layout(chunks: list[int], balance: str, cached: int) -> tuple[list[Runs], list[int], list[Runs]]:
+    """Where a ring continuing ``cached`` tokens finds them, as the engine's ``_held_cache`` leaves them.
+
+    Returns (new, shard, held): each rank's new tokens' positions (after the
+    cached ones), how many cached tokens it holds (even chunks, or zigzag
+    pieces), and every position it holds, its cached shard then its new tokens.
+    """
+    p = len(chunks)
+    new = token_runs(chunks, balance, start=cached)                      # the new tokens follow the cached ones
+    shard = zigzag_chunks(cached, p) if balance == "zigzag" else even_partition(cached, p)
+    held = [old + mine for old, mine in zip(token_runs(shard, balance), new)]   # every key a rank holds
+    return new, shard, held
+
+
 def simulate_ring(cfg, chunks: list[int], cm, noise, ranks, balance: str = "none", ring_pass: str = "kv",
                   cached: int = 0) -> list[float]:
     """Each rank's finish time (seconds) of a ring prefill, pass-KV or pass-Q; ``ranks`` record the events."""
@@ -133,13 +153,17 @@ def simulate_ring(cfg, chunks: list[int], cm, noise, ranks, balance: str = "none
     if ring_pass == "q":
         return _simulate_pass_q(cfg, chunks, cm, noise, ranks, balance, cached)
     p, L = len(chunks), cfg.n_layers
-    layout = token_runs(chunks, balance)
+    if cached:                         # queries: the new tokens; a block: the cached shard, then the new tokens
+        queries, _, blocks = cached_layout(chunks, balance, cached)
+    else:
+        queries = blocks = token_runs(chunks, balance)
     row_bytes = cfg.n_kv_heads * cfg.head_dim * cm.bytes_per_value     # one token's K (or V) in one layer
-    block_bytes = [2 * c * row_bytes for c in chunks]                  # K and V of each rank's tokens
+    block_bytes = [2 * sum(b - a for a, b in runs) * row_bytes for runs in blocks]   # K and V of each block
     send_done = [0.0] * p              # when each rank's previous send is delivered
 
     def attend(i: int, origin: int):
-        seconds = block_attention_s(cm, layout[i], layout[origin])
+        # never None after a cache: every new query sees the cached tokens at the start of every block
+        seconds = block_attention_s(cm, queries[i], blocks[origin])
         return None if seconds is None else (seconds, block_bytes[origin])     # None: in its future, passed on
 
     for layer in range(L):
@@ -185,9 +209,7 @@ def ring_steps(ranks, cm, noise, layer: int, send_done: list[float], block_bytes
 def _simulate_pass_q(cfg, chunks: list[int], cm, noise, ranks, balance: str, cached: int) -> list[float]:
     """Pass-Q: the new tokens' queries travel, the partial outputs return to their owners (module docstring)."""
     p, L = len(chunks), cfg.n_layers
-    new = token_runs(chunks, balance, start=cached)                      # the new tokens follow the cached ones
-    shard = zigzag_chunks(cached, p) if balance == "zigzag" else even_partition(cached, p)
-    held = [old + mine for old, mine in zip(token_runs(shard, balance), new)]   # every key a rank holds
+    new, shard, held = cached_layout(chunks, balance, cached)
     row_bytes = cfg.n_kv_heads * cfg.head_dim * cm.bytes_per_value      # one token's K (or V) in one layer
     q_bytes = cfg.n_heads * cfg.head_dim * cm.bytes_per_value           # one token's query
     part_bytes = cfg.n_heads * (cfg.head_dim + 1) * cm.bytes_per_value  # one token's partial output and lse
