@@ -256,7 +256,7 @@ def test_a_folder_is_graded_on_the_lessons_it_holds_and_the_report_names_the_res
     report = grade(SUBMISSIONS / "partial")                 # ex01 only
     assert set(report.by_lesson()) == {1} and report.by_lesson()[1] == (11, 15)
     shown = report.table()
-    assert "not graded: ex02-ex08 (no exNN file for them in" in shown, shown
+    assert "not graded: ex02-ex09 (no exNN file for them in" in shown, shown
 
 
 @pytest.mark.slow
@@ -313,7 +313,7 @@ def test_bad_implementations_and_names_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="must look like 'ex01'"):
         load_exercise("../ex01", impl="solutions")
     with pytest.raises(ValueError, match="no graded tests for exercise module"):
-        grade("solutions", only="ex09")
+        grade("solutions", only="ex10")
     with pytest.raises(ValueError, match="per_test_timeout_s"):
         grade("solutions", per_test_timeout_s=0)
 
@@ -1134,6 +1134,41 @@ def break_even_context(speedup, lo, hi):
      "    best = (0, *(j * (context // p) for j in range(1, p)), context)"),
     ("6.3", "ratios not normalised by their sum", "    shares = [context * r / total for r in ratios]",
      "    shares = [context * r for r in ratios]"),
+    ("9.1", "the sides added without rescaling", "    return (out_a * share_a + out_b * share_b).to(out_a.dtype), lse\n",
+     "    return (out_a + out_b).to(out_a.dtype), lse\n"),
+    ("9.1", "the larger lse kept, not their log-sum", "    lse = torch.logaddexp(lse_a, lse_b)",
+     "    lse = torch.maximum(lse_a, lse_b)"),
+    ("9.1", "nan where neither side saw a key", "    share_a = (lse_a - lse).exp().nan_to_num(0.0).unsqueeze(-1)",
+     "    share_a = (lse_a - lse).exp().unsqueeze(-1)"),
+    ("9.1", "out in float32 whatever came in", "    return (out_a * share_a + out_b * share_b).to(out_a.dtype), lse\n",
+     "    return out_a * share_a + out_b * share_b, lse\n"),
+    ("9.2", "the mask one diagonal off: a query misses its own key", "~causal_mask(q_pos, k_pos)",
+     "~causal_mask(q_pos - 1, k_pos)"),
+    ("9.2", "the mask by index in the block, not by position", "~causal_mask(q_pos, k_pos)",
+     "~causal_mask(torch.arange(len(q_pos)), torch.arange(len(k_pos)))"),
+    ("9.2", "scores not scaled by 1/sqrt(D)", "    scores = q.float() @ keys.transpose(-2, -1) / q.shape[-1] ** 0.5",
+     "    scores = q.float() @ keys.transpose(-2, -1)"),
+    ("9.2", "nan for a query that sees no key", "    weights = (scores - lse.unsqueeze(-1)).exp().nan_to_num(0.0)",
+     "    weights = (scores - lse.unsqueeze(-1)).exp()"),
+    ("9.2", "K/V heads repeated as a block, not per group", "    keys = k.repeat_interleave(group, dim=1).float()",
+     "    keys = k.repeat(1, group, 1, 1).float()"),
+    ("9.3", "a block read with the positions of the step before", "        k_pos = pos.layout[ring.origin(step)]",
+     "        k_pos = pos.layout[ring.origin(step - 1)]"),
+    ("9.3", "blocks wholly in the future computed anyway", "        if int(k_pos[0]) <= int(pos.q_pos[-1]):",
+     "        if True:"),
+    ("9.3", "only the last block kept, none merged", "            acc = part if acc is None else merge(acc, part)",
+     "            acc = part"),
+    ("9.3", "the block in hand returned as the rank's cache", "    return layer.finish(x, layer.project(acc[0])), k, v",
+     "    return layer.finish(x, layer.project(acc[0])), *block"),
+    ("9.4", "the partial outputs' lses left out", "(n_heads * head_dim + n_heads * (head_dim + 1))",
+     "(n_heads * head_dim + n_heads * head_dim)"),
+    ("9.4", "pass-KV sends only the new tokens", "    kv_values = others * (cached_tokens + new_tokens) * 2 * n_kv_heads * head_dim",
+     "    kv_values = others * new_tokens * 2 * n_kv_heads * head_dim"),
+    ("9.4", "query heads counted for K and V", "    kv_values = others * (cached_tokens + new_tokens) * 2 * n_kv_heads * head_dim",
+     "    kv_values = others * (cached_tokens + new_tokens) * 2 * n_heads * head_dim"),
+    ("9.4", "one link, not p - 1", "    others = world_size - 1", "    others = 1"),
+    ("9.4", "a tie chooses pass-Q", 'return {"kv": kv, "q": q, "choose": "q" if q < kv else "kv"}',
+     'return {"kv": kv, "q": q, "choose": "q" if q <= kv else "kv"}'),
 ]
 
 RIGHT = [  # (exercise, which way, the function)
@@ -1534,6 +1569,58 @@ def gather_rows(store, table, layer, length):
     if length == 0:
         return store.new_zeros(1, store.shape[2], 0, store.shape[-1])
     return torch.cat([store[b, layer] for b in table], dim=1)[:, :length].unsqueeze(0).contiguous()
+'''),
+    ("9.1", "weights from the larger lse, by hand", '''
+def merge(a, b):
+    (oa, la), (ob, lb) = a, b
+    top = torch.maximum(la, lb)
+    safe = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    wa, wb = torch.exp(la - safe), torch.exp(lb - safe)
+    total = wa + wb
+    lse = safe + torch.log(total)
+    out = (oa * (wa / total.clamp_min(1e-30))[..., None] + ob * (wb / total.clamp_min(1e-30))[..., None])
+    return out.to(oa.dtype), torch.where(total > 0, lse, torch.full_like(lse, float("-inf")))
+'''),
+    ("9.2", "einsum over the groups, softmax with a guard", '''
+def block_attention(q, k, v, q_pos, k_pos):
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    qg = q.float().reshape(B, Hkv, H // Hkv, T, D)
+    s = torch.einsum("bkgtd,bksd->bkgts", qg, k.float()) / D ** 0.5
+    s = s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    seen = torch.isfinite(lse)[..., None]
+    w = torch.where(seen, torch.softmax(torch.where(seen, s, torch.zeros_like(s)), dim=-1), torch.zeros_like(s))
+    out = torch.einsum("bkgts,bksd->bkgtd", w, v.float())
+    return out.reshape(B, H, T, D).to(q.dtype), lse.reshape(B, H, T)
+'''),
+    ("9.3", "the block waited for before the next is sent (no overlap)", '''
+def ring_pass_kv_layer(layer, x, pos, ring, attention):
+    q, k, v = layer.qkv(x, pos.cos, pos.sin)
+    block, out = (k, v), None
+    for step in range(ring.world_size):
+        keys_at = pos.layout[ring.origin(step)]
+        if keys_at[0] <= pos.q_pos[-1]:
+            part = ring.attend(q, block[0], block[1], pos.q_pos, keys_at, attention)
+            out = part if out is None else merge(out, part)
+        if step < ring.world_size - 1:
+            block = ring.pass_on(step, *block).wait()
+    return layer.finish(x, layer.project(out[0])), k, v
+'''),
+    ("9.4", "counted per rank and summed", '''
+def ring_traffic(new_tokens, cached_tokens, n_heads, n_kv_heads, head_dim, world_size, bytes_per_value=4):
+    for value, low in ((new_tokens, 1), (cached_tokens, 0), (n_heads, 1), (n_kv_heads, 1), (head_dim, 1),
+                       (world_size, 1), (bytes_per_value, 1)):
+        if type(value) is not int or value < low:
+            raise ValueError(f"expected an integer >= {low}, got {value!r}")
+    if n_heads % n_kv_heads != 0:
+        raise ValueError("n_kv_heads must divide n_heads")
+    kv = q = 0
+    for _rank in range(world_size):
+        kv += (world_size - 1) * (cached_tokens + new_tokens) * 2 * n_kv_heads * head_dim * bytes_per_value
+        q += (world_size - 1) * new_tokens * n_heads * (2 * head_dim + 1) * bytes_per_value
+    kv, q = kv // world_size, q // world_size
+    return {"kv": kv, "q": q, "choose": "kv" if kv <= q else "q"}
 '''),
 ]
 

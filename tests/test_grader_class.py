@@ -336,4 +336,4 @@ def test_a_class_is_graded_resumed_after_ctrl_c_and_the_hostile_one_changes_no_o
     shown = json.loads((tmp_path / "grades-results" / "stray.json").read_text())["output"]
     assert shown.startswith("ignored 3 file(s)"), shown                   # the student reads it too
     shown = json.loads((tmp_path / "grades-results" / "answers.json").read_text())["output"]
-    assert "not graded: ex02, ex04-ex08 (no exNN file for them in answers;" in shown, shown   # not the grader's copy
+    assert "not graded: ex02, ex04-ex09 (no exNN file for them in answers;" in shown, shown   # not the grader's copy

@@ -69,6 +69,7 @@ def bench_ring(quick: bool = False) -> dict:
                        "q": spread(runs["q"]), "q_vs_kv": v, "bytes": bytes_}
                 passes.append(row)
                 progress({k: str(row[k]) for k in ("new", "cached", "link", "kv", "q")} | {"verdict": v.word})
-    rule = 2 * cfg.n_kv_heads * cfg.head_dim / (2 * cfg.n_kv_heads * cfg.head_dim + cfg.n_heads * (2 * cfg.head_dim + 1))
+    # pass-Q's C * H * (2D + 1) values against pass-KV's (N + C) * 2 * Hkv * D: equal at this new share C / (N + C)
+    rule = 2 * cfg.n_kv_heads * cfg.head_dim / (cfg.n_heads * (2 * cfg.head_dim + 1))
     return {"machine": machine.line, "families": families, "passes": passes, "rounds": rounds, "total": total,
             "rule_share": rule, "heads": (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)}
