@@ -8,6 +8,7 @@ backends are checked on the CPU.
 """
 import copy
 import io
+import os
 import re
 import subprocess
 import sys
@@ -28,8 +29,10 @@ no_gpu = pytest.mark.skipif(cuda_status() is None, reason="a CUDA GPU is here: m
 @no_gpu
 def test_make_gpu_check_without_a_gpu_says_so_and_exits_0():
     # -o setup: the venv running this test is the one to use; never reinstall it from here
-    out = subprocess.run(["make", "-s", "-o", "setup", "gpu-check", f"PYTHON={sys.executable}"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    # a make above this test (make -C DIR test) hands its flags down: without them, no "Entering directory" lines
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    out = subprocess.run(["make", "-s", "--no-print-directory", "-o", "setup", "gpu-check", f"PYTHON={sys.executable}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.startswith("no CUDA GPU here: ") and "make gpu-check ran nothing" in out.stdout
     assert cuda_status() in out.stdout and "passed" not in out.stdout and "skipped" not in out.stdout
