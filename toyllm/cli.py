@@ -276,7 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="run the benchmarks and write their tables to a Markdown file")
     b.add_argument("--out", default="docs/benchmarks.md", help="the Markdown file to (re)write; its folder must exist")
     b.add_argument("--only", choices=list(BENCH_SECTIONS), action="append",
-                   help="run only these sections (repeatable); default: all")
+                   help="run only these sections (repeatable); default: all. weights and llama_prefill time "
+                        "llama.cpp beside toyllm where llama-cpp-python is installed (the interpreter named by "
+                        "$TOYLLM_LLAMA_PYTHON, else this one); without it they say how to install it")
     b.add_argument("--quick", action="store_true", help="fewer repeats and sizes (a smoke run, not for docs)")
     return p
 

@@ -10,6 +10,8 @@ here is asserted by tests.
 One module per kind of section (``generation``, ``prefill``, ``ring``,
 ``search``, ``attention``, ``decode``, ``serving``); ``report`` turns a section's
 numbers into its Markdown and writes the file. This module runs them.
+``llama`` runs llama.cpp in a process of its own (an optional install), which
+the weights and llama_prefill sections put beside toyllm where it is found.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import torch
 from .attention import ATTENTION_BENCH_KERNELS, ATTENTION_BENCH_SPLITS, bench_attention
 from .decode import add_floor_figures, bench_batched, bench_decode_step, bench_weights
 from .generation import bench_first_token, bench_generation, naive_vs_cached, time_naive_and_cached
-from .prefill import bench_kernels, bench_prefill, time_split
+from .prefill import bench_kernels, bench_llama_prefill, bench_prefill, time_split
 from .report import render_section, write_blocks
 from .ring import bench_ring
 from .search import bench_search, bench_table
@@ -37,7 +39,7 @@ __all__ = ["RESIDENT_HEAP_ENV", "SECTIONS", "ensure_resident_heap", "cpu_name", 
            "render_section", "naive_vs_cached", "time_naive_and_cached", "time_split", "add_floor_figures",
            "ATTENTION_BENCH_KERNELS", "ATTENTION_BENCH_SPLITS", "bench_generation", "bench_first_token",
            "bench_prefill", "bench_search", "bench_table", "bench_kernels", "bench_attention", "bench_weights",
-           "bench_batched", "bench_decode_step", "bench_serving"]
+           "bench_batched", "bench_decode_step", "bench_serving", "bench_llama_prefill"]
 
 # glibc gives big freed blocks back to the OS at once; on this kind of VM the
 # page faults of mapping them again can double a timing. These settings keep
@@ -94,7 +96,7 @@ def machine_line() -> str:
 SECTIONS = {"generation": bench_generation, "first_token": bench_first_token, "prefill": bench_prefill,
             "search": bench_search, "table": bench_table, "kernels": bench_kernels, "attention": bench_attention,
             "weights": bench_weights, "batched": bench_batched, "decode_step": bench_decode_step,
-            "serving": bench_serving, "ring": bench_ring}
+            "serving": bench_serving, "ring": bench_ring, "llama_prefill": bench_llama_prefill}
 
 
 def run_benchmarks(out: str, sections: list[str] | None = None, quick: bool = False) -> None:

@@ -35,6 +35,7 @@ from ..quant import WEIGHT_FORMATS, linear_kernel, linear_layers, linear_weight_
 from ..utils import median_time
 from .common import progress
 from .generation import time_naive_and_cached
+from .llama import LlamaCppError, start_llama
 
 # The toy of the KV-cache blog post: vocabulary 100, width 32, one attention layer with
 # one head. Ours is a Llama block, so it also has an MLP (kept as narrow as the width).
@@ -107,7 +108,7 @@ def weight_products(model):
 
 
 def smollm2_formats(formats=WEIGHT_FORMATS, new_tokens: int = 32, rounds: int = 5, prompt: str = CHAT_PROMPT,
-                    answer_tokens: int = 48, attention: str = "dense", floor: bool = False) -> dict:
+                    answer_tokens: int = 48, attention: str = "dense", floor: bool = False, llama=None) -> dict:
     """Decode tokens/s of SmolLM2 per weight format, formats alternating round by round.
 
     Each round generates ``new_tokens`` greedy tokens after the chat prompt with
@@ -130,6 +131,13 @@ def smollm2_formats(formats=WEIGHT_FORMATS, new_tokens: int = 32, rounds: int = 
       their median;
     - per row, "calls_per_step": the operator calls a decode step makes from
       Python (torch.profiler).
+    llama: a started ``toyllm.bench.llama.LlamaCpp`` on the same GGUF file,
+    or None. It takes its turn in every round after the formats, on the same
+    prompt ids and ``new_tokens``, and its speed is measured as theirs (its
+    seconds per step after the first token, median per round). Adds "llama":
+    version, system_info, tokens_per_s, runs_s, its greedy answer and whether
+    it names Paris; or "llama_error" if the worker failed meanwhile (its
+    rounds so far are dropped: a crash costs this row, not the section).
     """
     from ..weights import load_model
 
@@ -142,6 +150,12 @@ def smollm2_formats(formats=WEIGHT_FORMATS, new_tokens: int = 32, rounds: int = 
     tpot = {fmt: [] for fmt in formats}
     products_s = {fmt: [] for fmt in formats}
     bandwidth_runs = []
+    llama_row, llama_error = None, ""
+    if llama is not None:
+        try:
+            llama_row = _llama_answer(llama, ids, answer_tokens, tokenizer)
+        except LlamaCppError as exc:
+            llama, llama_error = None, str(exc)
     for _ in range(rounds):
         if floor:
             bandwidth_runs.append(copy_bandwidth())
@@ -149,6 +163,12 @@ def smollm2_formats(formats=WEIGHT_FORMATS, new_tokens: int = 32, rounds: int = 
             tpot[fmt].append(generate(m, ids, new_tokens).tpot_s)
             if floor:
                 products_s[fmt].append(median_time(products[fmt], 5)[0])
+        # A compiled decode path (``generate(..., compile=True)``) would take its turn here, as one more row.
+        if llama is not None:
+            try:
+                llama_row["runs_s"].append(statistics.median(llama.decode(ids, new_tokens)["step_s"]))
+            except LlamaCppError as exc:
+                llama, llama_row, llama_error = None, None, str(exc)
     context = len(ids) + new_tokens // 2
     rows = []
     for fmt, m in models.items():
@@ -161,8 +181,25 @@ def smollm2_formats(formats=WEIGHT_FORMATS, new_tokens: int = 32, rounds: int = 
         if floor:
             rows[-1].update(products_s=statistics.median(products_s[fmt]), products_runs_s=products_s[fmt],
                             calls_per_step=profile_decode_step(m, len(ids), steps=2)["top_level_calls"])
+    if llama_row is not None:
+        llama_row.update(tokens_per_s=1 / statistics.median(llama_row["runs_s"]),
+                         vs_fp32=compare(llama_row["runs_s"], tpot[formats[0]]),
+                         same_as_fp32=llama_row.pop("tokens") == answers[formats[0]])
     return {"prompt_len": len(ids), "new_tokens": new_tokens, "rounds": rounds, "attention": attention, "rows": rows,
-            **({"bandwidth_runs": bandwidth_runs} if floor else {})}
+            **({"bandwidth_runs": bandwidth_runs} if floor else {}),
+            **({"llama": llama_row} if llama_row is not None else {}),
+            **({"llama_error": llama_error} if llama_error else {})}
+
+
+def _llama_answer(llama, ids, answer_tokens: int, tokenizer) -> dict:
+    """llama.cpp's greedy answer to ``ids`` (up to ``answer_tokens`` tokens, cut after its end of turn, as
+    ``generate`` stops there) and the start of its row in ``smollm2_formats``; "runs_s" fills round by round."""
+    tokens = llama.decode(ids, answer_tokens)["tokens"]
+    if tokenizer.eos_id in tokens:
+        tokens = tokens[:tokens.index(tokenizer.eos_id) + 1]
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    return {"format": "llama.cpp", "version": llama.version, "system_info": llama.system_info,
+            "threads": llama.threads, "tokens": tokens, "answer": text, "paris": "Paris" in text, "runs_s": []}
 
 
 # The operators that multiply by the weight matrices, one per weight format's kernel (toyllm.quant).
@@ -316,8 +353,24 @@ def add_floor_figures(row: dict, bandwidth: float, lowest_bandwidth: float | Non
 
 
 def bench_weights(quick: bool = False) -> dict:
-    """SmolLM2 decode tokens/s per weight format beside the memory-bandwidth floor (lesson 03's roofline)."""
-    data = smollm2_formats(new_tokens=16 if quick else 32, rounds=2 if quick else 5, floor=True)
+    """SmolLM2 decode tokens/s per weight format beside the memory-bandwidth floor (lesson 03's roofline),
+    and beside llama.cpp on the same GGUF file where it is installed (``toyllm.bench.llama``).
+
+    "llama": llama.cpp's row (see ``smollm2_formats``); "vs_llama": the fastest format that answers Paris
+    against it, decided from the rounds (``measure.compare``); "llama_missing": why there is no llama.cpp
+    row (how to install it, or the worker's error).
+    """
+    from ..weights import find_smollm2_gguf
+
+    # Started before the models load (it loads its own copy of the file), one process for every round.
+    llama, missing = start_llama(find_smollm2_gguf(), threads=torch.get_num_threads(), context=512,
+                                 timeout_s=600)
+    try:
+        data = smollm2_formats(new_tokens=16 if quick else 32, rounds=2 if quick else 5, floor=True, llama=llama)
+    finally:
+        if llama is not None:
+            llama.close()
+    data["llama_missing"] = data.pop("llama_error", missing)
     bandwidth = statistics.median(data["bandwidth_runs"])
     for row in data["rows"]:
         add_floor_figures(row, bandwidth, min(data["bandwidth_runs"]))
@@ -327,6 +380,12 @@ def bench_weights(quick: bool = False) -> dict:
     data["capability"] = torch.backends.cpu.get_cpu_capability()
     answering = [r for r in data["rows"] if r["paris"]]
     data["best"] = max(answering, key=lambda r: r["tokens_per_s"]) if answering else None
+    if "llama" in data:
+        progress({k: v for k, v in data["llama"].items() if k in ("format", "tokens_per_s", "paris", "version")})
+        if data["best"] is not None:
+            data["vs_llama"] = compare(data["best"]["runs_s"], data["llama"]["runs_s"])
+    else:
+        print(f"  no llama.cpp row: {data['llama_missing']}", flush=True)
     return {"bandwidth_bytes_per_s": bandwidth, "threads": torch.get_num_threads(), "floor_target": FLOOR_TARGET,
             **data}
 

@@ -149,3 +149,79 @@ def bench_kernels(quick: bool = False) -> dict:
         rows.append(row)
         progress({k: (str(v) if k == "runs" else v) for k, v in row.items() if k != "verdicts"})
     return {"rows": rows, "machine": machine.line}
+
+
+# llama_prefill: the contexts (tokens) and, for each, the toyllm configurations beside llama.cpp.
+LLAMA_PREFILL_CONTEXTS = (1024, 4096, 8192)
+ONE_PROCESS, PARALLEL, LLAMA = "toyllm, 1 process, 2 threads", "toyllm, TSP-zigzag, 2 processes", "llama.cpp"
+
+
+def bench_llama_prefill(quick: bool = False, contexts=None, rounds: int | None = None) -> dict:
+    """SmolLM2 prefill (TTFT, seconds) by toyllm and by llama.cpp on the same token ids, taking turns.
+
+    For each context of ``contexts`` (default ``LLAMA_PREFILL_CONTEXTS``; quick: 1k only) the same random
+    ids go to three configurations, each round running every one in turn after an untimed round:
+    toyllm in one process with 2 intra-op threads (PyTorch's fused causal kernel, ``sdpa``, in a worker
+    process of its own, as the other prefill sections run their baseline); toyllm's parallel prefill on 2
+    processes with 1 thread each, zigzag TSP with the causal-aware kernel (the kernels section found
+    it tied with KV-Runahead's best split on SmolLM2 at 8k, and it needs no sweep of splits: the production
+    baseline); and llama.cpp with 2 threads in its own process (``toyllm.bench.llama``, batches of 512
+    tokens). ``rounds`` defaults to 3 (quick: 1). Each row keeps the runs and the verdicts computed from
+    them (``measure.compare``): each toyllm configuration against llama.cpp, and the parallel one against
+    the one process. Without llama.cpp, "llama_missing" says how to install it and the rows hold toyllm's
+    configurations only; a llama.cpp worker that fails meanwhile costs its column from that context on (and
+    "llama_missing" says why), not the section.
+    """
+    from ..launch import WorkerPool
+    from ..measure import check_machine, compare, spread
+    from ..weights import find_smollm2_gguf
+    from .llama import LlamaCppError, start_llama
+
+    contexts = tuple(contexts or ((1024,) if quick else LLAMA_PREFILL_CONTEXTS))
+    rounds = rounds or (1 if quick else 3)
+    warmup, timeout_s = 1, 3600
+    machine = check_machine()
+    print(f"  {machine.line}", flush=True)
+    single_spec, spec = ModelSpec("smollm2-135m", attention="sdpa"), ModelSpec("smollm2-135m", attention="causal")
+    # One llama.cpp process for every context: its context holds the longest prompt.
+    llama, missing = start_llama(find_smollm2_gguf(), threads=2, context=max(contexts), timeout_s=timeout_s)
+    about = {"version": llama.version, "system_info": llama.system_info, "threads": llama.threads} if llama else None
+    rows = []
+    try:
+        for C in contexts:
+            ids = random_prompt(C, spec.config.vocab_size)
+            runs = {ONE_PROCESS: [], PARALLEL: [], **({LLAMA: []} if llama else {})}
+            # fresh toyllm processes per context, as the other prefill sections start them
+            with WorkerPool(1, threads_per_rank=2, timeout_s=timeout_s) as solo, \
+                    WorkerPool(2, threads_per_rank=1, timeout_s=timeout_s) as pool:
+                for r in range(warmup + rounds):
+                    runs_here = {
+                        ONE_PROCESS: parallel_prefill(single_spec, ids, "single", 1, threads_per_rank=2, warmup=0,
+                                                      pool=solo, timeout_s=timeout_s).ttft_runs[0],
+                        PARALLEL: parallel_prefill(spec, ids, "tsp", 2, balance="zigzag", warmup=0, pool=pool,
+                                                   timeout_s=timeout_s).ttft_runs[0]}
+                    if llama is not None:
+                        try:
+                            runs_here[LLAMA] = llama.prefill(ids)
+                        except LlamaCppError as exc:             # this column ends; toyllm's go on
+                            llama.close()
+                            llama, missing = None, str(exc)
+                            print(f"  llama.cpp failed: {missing}", flush=True)
+                            runs.pop(LLAMA, None)          # this context's column; earlier contexts keep theirs
+                    if r >= warmup:
+                        for name, seconds in runs_here.items():
+                            if name in runs:
+                                runs[name].append(seconds)
+            row = {"context": C, "runs": {name: spread(ts) for name, ts in runs.items()}, "verdicts": {}}
+            row["verdicts"]["parallel_vs_one"] = compare(runs[PARALLEL], runs[ONE_PROCESS])
+            if LLAMA in runs:
+                row["verdicts"]["one_vs_llama"] = compare(runs[ONE_PROCESS], runs[LLAMA])
+                row["verdicts"]["parallel_vs_llama"] = compare(runs[PARALLEL], runs[LLAMA])
+            rows.append(row)
+            progress({"context": C, **{k: str(v) for k, v in row["runs"].items()}})
+    finally:
+        if llama is not None:
+            llama.close()
+    return {"machine": machine.line, "rounds": rounds, "warmup": warmup, "contexts": list(contexts), "rows": rows,
+            "names": {"one": ONE_PROCESS, "parallel": PARALLEL, "llama": LLAMA},
+            "llama": about, "llama_missing": missing}
