@@ -108,7 +108,7 @@ LAYERS = [
      "toyllm.grading.sandbox.submission", "toyllm.grading.sandbox.counted"},
     {"toyllm.attention", "toyllm.quant"},
     {"toyllm.model"},
-    {"toyllm.cache", "toyllm.paged", "toyllm.tokenizer", "toyllm.analysis", "toyllm.cost_fit"},
+    {"toyllm.cache", "toyllm.paged", "toyllm.tokenizer", "toyllm.analysis", "toyllm.cost_fit", "toyllm.compiled"},
     {"toyllm.weights", "toyllm.generation", "toyllm.serving", "toyllm.launch", "toyllm.partition"},
     {"toyllm.parallel", "toyllm.simulate", "toyllm.simulate_ring", "toyllm.partition_table"},
 ]

@@ -204,7 +204,7 @@ def generate(model, prompt_ids: list[int] | list[list[int]], max_new_tokens: int
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
              eos_id: int | None = None, on_token: Callable[[int], None] | None = None,
              return_logits: bool = False, prefilled_logits: torch.Tensor | None = None,
-             ) -> GenerationResult | list[GenerationResult]:
+             compile: bool = False) -> GenerationResult | list[GenerationResult]:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
 
     prompt_ids: one prompt (a list of token ids) -> one ``GenerationResult``;
@@ -223,6 +223,10 @@ def generate(model, prompt_ids: list[int] | list[list[int]], max_new_tokens: int
     eos_id: a sequence stops after producing this token (a batch runs until
     every sequence has stopped). on_token(id) is called for each new token as
     soon as it exists (streaming; one prompt only).
+    compile: run the decode steps as one compiled function with fixed
+    shapes (``toyllm.compiled``): the same greedy tokens, less time per
+    token; the first call for a model compiles (tens of seconds). It needs
+    the cached method and the default static cache, and no prefilled_logits.
     It runs in ``torch.inference_mode``, which makes each operator call
     cheaper than under ``no_grad``; the logits it returns are inference
     tensors: read them freely, ``.clone()`` one before writing into it.
@@ -234,7 +238,14 @@ def generate(model, prompt_ids: list[int] | list[list[int]], max_new_tokens: int
     device = model.rope_cos.device
     B, T = prompts.shape
     t0 = time.perf_counter()
-    if method == "cached" and isinstance(cache, str):
+    decoder = None
+    if compile:
+        if method != "cached" or cache != "static" or prefilled_logits is not None:
+            raise ValueError("compile=True needs method='cached', cache='static' and no prefilled_logits: the "
+                             "compiled step keeps its own fixed-size cache")
+        from .compiled import compiled_decoder
+        decoder = compiled_decoder(model, T + max_new_tokens, batch=B)
+    elif method == "cached" and isinstance(cache, str):
         cache = make_cache(cache, model.config, max(2, T + max_new_tokens), batch=B, device=device)   # where the model is
 
     # One buffer holds prompt and answer: the naive method reads growing slices of it, the
@@ -251,6 +262,8 @@ def generate(model, prompt_ids: list[int] | list[list[int]], max_new_tokens: int
         end = T + step                                              # tokens so far
         if method == "naive":
             logits = model(seq[:, :end], input_pos=0, last_only=True)[:, -1]             # (B, vocab)
+        elif decoder is not None:
+            logits = decoder.step(seq[:, end - 1:end]) if step > 0 else decoder.prefill(seq[:, :T])
         elif step > 0:
             logits = _decode_batch(model, seq[:, end - 1:end], cache)
         elif prefilled_logits is not None:

@@ -127,6 +127,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     numbers, where the same rotation written out on the halves costs about
     ten operations, each a kernel call on every layer of every decode step.
     """
+    if torch.compiler.is_compiling():
+        # A compiler fuses the written-out rotation into one loop, but cannot generate code for complex
+        # numbers (it would call back into PyTorch for each complex operator): there, the real form.
+        a, b = x.unflatten(-1, (-1, 2)).unbind(-1)                      # (B, H, T, D/2) each
+        return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
     pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))             # (B, H, T, D/2) complex
     return torch.view_as_real(pairs * torch.complex(cos, sin)).flatten(-2)  # (B, H, T, D)
 

@@ -108,7 +108,8 @@ def weight_products(model):
 
 
 def smollm2_formats(formats=WEIGHT_FORMATS, new_tokens: int = 32, rounds: int = 5, prompt: str = CHAT_PROMPT,
-                    answer_tokens: int = 48, attention: str = "dense", floor: bool = False, llama=None) -> dict:
+                    answer_tokens: int = 48, attention: str = "dense", floor: bool = False, llama=None,
+                    compiled: bool = False) -> dict:
     """Decode tokens/s of SmolLM2 per weight format, formats alternating round by round.
 
     Each round generates ``new_tokens`` greedy tokens after the chat prompt with
@@ -138,6 +139,12 @@ def smollm2_formats(formats=WEIGHT_FORMATS, new_tokens: int = 32, rounds: int = 
     version, system_info, tokens_per_s, runs_s, its greedy answer and whether
     it names Paris; or "llama_error" if the worker failed meanwhile (its
     rounds so far are dropped: a crash costs this row, not the section).
+    compiled: also time each format's decode step compiled (``generate(...,
+    compile=True)``, ``toyllm.compiled``) right after its eager run in every
+    round. Adds per row "compiled": runs_s, tokens_per_s, "vs_eager" (its
+    verdict against the same format's eager runs), "same_tokens" (its greedy
+    tokens equal the eager ones) and "compile_s" (seconds of the first call);
+    or "compiled_error" if it does not compile here (no C++ compiler, say).
     """
     from ..weights import load_model
 
@@ -147,6 +154,7 @@ def smollm2_formats(formats=WEIGHT_FORMATS, new_tokens: int = 32, rounds: int = 
     ids = tokenizer.encode_chat(prompt)
     answers = {fmt: generate(m, ids, answer_tokens, eos_id=tokenizer.eos_id).output_ids for fmt, m in models.items()}
     products = {fmt: weight_products(m) for fmt, m in models.items()} if floor else {}
+    compiled_rows = {fmt: _compile_decode(m, ids, new_tokens) for fmt, m in models.items()} if compiled else {}
     tpot = {fmt: [] for fmt in formats}
     products_s = {fmt: [] for fmt in formats}
     bandwidth_runs = []
@@ -163,7 +171,8 @@ def smollm2_formats(formats=WEIGHT_FORMATS, new_tokens: int = 32, rounds: int = 
             tpot[fmt].append(generate(m, ids, new_tokens).tpot_s)
             if floor:
                 products_s[fmt].append(median_time(products[fmt], 5)[0])
-        # A compiled decode path (``generate(..., compile=True)``) would take its turn here, as one more row.
+            if "runs_s" in compiled_rows.get(fmt, {}):
+                compiled_rows[fmt]["runs_s"].append(generate(m, ids, new_tokens, compile=True).tpot_s)
         if llama is not None:
             try:
                 llama_row["runs_s"].append(statistics.median(llama.decode(ids, new_tokens)["step_s"]))
@@ -181,6 +190,11 @@ def smollm2_formats(formats=WEIGHT_FORMATS, new_tokens: int = 32, rounds: int = 
         if floor:
             rows[-1].update(products_s=statistics.median(products_s[fmt]), products_runs_s=products_s[fmt],
                             calls_per_step=profile_decode_step(m, len(ids), steps=2)["top_level_calls"])
+        if fmt in compiled_rows:
+            c = compiled_rows[fmt]
+            if "runs_s" in c:
+                c.update(tokens_per_s=1 / statistics.median(c["runs_s"]), vs_eager=compare(c["runs_s"], tpot[fmt]))
+            rows[-1]["compiled"] = c
     if llama_row is not None:
         llama_row.update(tokens_per_s=1 / statistics.median(llama_row["runs_s"]),
                          vs_fp32=compare(llama_row["runs_s"], tpot[formats[0]]),
@@ -189,6 +203,18 @@ def smollm2_formats(formats=WEIGHT_FORMATS, new_tokens: int = 32, rounds: int = 
             **({"bandwidth_runs": bandwidth_runs} if floor else {}),
             **({"llama": llama_row} if llama_row is not None else {}),
             **({"llama_error": llama_error} if llama_error else {})}
+
+
+def _compile_decode(model, ids, new_tokens: int) -> dict:
+    """Compile ``model``'s decode step for ``new_tokens`` tokens after ``ids`` (the first call); its greedy tokens
+    against the eager ones, and the seconds compiling took. A compiler that fails says why instead."""
+    eager = generate(model, ids, new_tokens).output_ids
+    t0 = time.perf_counter()
+    try:
+        out = generate(model, ids, new_tokens, compile=True).output_ids
+    except Exception as exc:                   # no C++ compiler, an operator it cannot compile, a compiler bug
+        return {"compiled_error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+    return {"compile_s": time.perf_counter() - t0, "same_tokens": out == eager, "runs_s": []}
 
 
 def _llama_answer(llama, ids, answer_tokens: int, tokenizer) -> dict:
@@ -366,7 +392,9 @@ def bench_weights(quick: bool = False) -> dict:
     llama, missing = start_llama(find_smollm2_gguf(), threads=torch.get_num_threads(), context=512,
                                  timeout_s=600)
     try:
-        data = smollm2_formats(new_tokens=16 if quick else 32, rounds=2 if quick else 5, floor=True, llama=llama)
+        # compiled steps take a minute each to compile: the full run only
+        data = smollm2_formats(new_tokens=16 if quick else 32, rounds=2 if quick else 5, floor=True, llama=llama,
+                               compiled=not quick)
     finally:
         if llama is not None:
             llama.close()
@@ -380,10 +408,20 @@ def bench_weights(quick: bool = False) -> dict:
     data["capability"] = torch.backends.cpu.get_cpu_capability()
     answering = [r for r in data["rows"] if r["paris"]]
     data["best"] = max(answering, key=lambda r: r["tokens_per_s"]) if answering else None
+    # the fastest way of all, eager or compiled, among the formats that answer Paris (and whose compiled
+    # step keeps their tokens)
+    ways = [(r["format"], r["runs_s"]) for r in answering]
+    ways += [(r["format"] + ", compiled", r["compiled"]["runs_s"]) for r in answering
+             if r.get("compiled", {}).get("same_tokens") and r["compiled"]["runs_s"]]
+    if ways:
+        name, runs = min(ways, key=lambda way: statistics.median(way[1]))
+        data["fastest"] = {"way": name, "runs_s": runs, "tokens_per_s": 1 / statistics.median(runs)}
     if "llama" in data:
         progress({k: v for k, v in data["llama"].items() if k in ("format", "tokens_per_s", "paris", "version")})
         if data["best"] is not None:
             data["vs_llama"] = compare(data["best"]["runs_s"], data["llama"]["runs_s"])
+            data["fastest_vs_llama"] = compare(data["fastest"]["runs_s"], data["llama"]["runs_s"])
+            data["fastest"]["share_of_llama"] = data["fastest"]["tokens_per_s"] / data["llama"]["tokens_per_s"]
     else:
         print(f"  no llama.cpp row: {data['llama_missing']}", flush=True)
     return {"bandwidth_bytes_per_s": bandwidth, "threads": torch.get_num_threads(), "floor_target": FLOOR_TARGET,
