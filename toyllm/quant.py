@@ -94,9 +94,13 @@ class _ConvertedLinear(nn.Module):
         super().__setstate__(state)
         self._register()                 # a new process (the grader's sandbox) has its own table
 
+    # Can a compiler trace ``product`` (plain tensors and ATen operators)? If not, a compiled graph calls
+    # it as one opaque operator (``converted_linear``), which costs a call back into Python.
+    traceable = False
+
     def forward(self, x):
-        """``product(x)``; inside a compiled graph the same call, as one opaque operator (``converted_linear``)."""
-        if torch.compiler.is_compiling():
+        """``product(x)``; inside a compiled graph, as one opaque operator unless the compiler can trace it."""
+        if torch.compiler.is_compiling() and not self.traceable:
             return torch.ops.toyllm.converted_linear(x, self.key)
         return self.product(x)
 
@@ -198,6 +202,7 @@ class Int8Linear(_ConvertedLinear):
     fmt = "int8"
     kernel = "int8pack"
     bf16_outputs = True
+    traceable = True          # an ATen operator on plain tensors: Inductor compiles it with the rest
 
     def __init__(self, weight: torch.Tensor, exact_top: int = 0):
         super().__init__(weight.shape[1], weight.shape[0], exact_top)
