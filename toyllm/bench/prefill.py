@@ -166,7 +166,7 @@ def bench_llama_prefill(quick: bool = False, contexts=None, rounds: int | None =
     processes with 1 thread each, zigzag TSP with the causal-aware kernel (the kernels section found
     it tied with KV-Runahead's best split on SmolLM2 at 8k, and it needs no sweep of splits: the production
     baseline); and llama.cpp with 2 threads in its own process (``toyllm.bench.llama``, batches of 512
-    tokens). ``rounds`` defaults to 3 (quick: 1). Each row keeps the runs and the verdicts computed from
+    tokens). ``rounds`` defaults to 5, the fewest the rank test decides on (quick: 1). Each row keeps the runs and the verdicts computed from
     them (``measure.compare``): each toyllm configuration against llama.cpp, and the parallel one against
     the one process. Without llama.cpp, "llama_missing" says how to install it and the rows hold toyllm's
     configurations only; a llama.cpp worker that fails meanwhile costs its column from that context on (and
@@ -178,7 +178,7 @@ def bench_llama_prefill(quick: bool = False, contexts=None, rounds: int | None =
     from .llama import LlamaCppError, start_llama
 
     contexts = tuple(contexts or ((1024,) if quick else LLAMA_PREFILL_CONTEXTS))
-    rounds = rounds or (1 if quick else 3)
+    rounds = rounds or (1 if quick else 5)
     warmup, timeout_s = 1, 3600
     machine = check_machine()
     print(f"  {machine.line}", flush=True)
