@@ -386,8 +386,11 @@ def bench_weights(quick: bool = False) -> dict:
     against it, decided from the rounds (``measure.compare``); "llama_missing": why there is no llama.cpp
     row (how to install it, or the worker's error).
     """
+    from ..measure import check_machine
     from ..weights import find_smollm2_gguf
 
+    machine = check_machine()            # how busy the machine is before timing: the section prints it
+    print(f"  {machine.line}", flush=True)
     # Started before the models load (it loads its own copy of the file), one process for every round.
     llama, missing = start_llama(find_smollm2_gguf(), threads=torch.get_num_threads(), context=512,
                                  timeout_s=600)
@@ -425,7 +428,7 @@ def bench_weights(quick: bool = False) -> dict:
     else:
         print(f"  no llama.cpp row: {data['llama_missing']}", flush=True)
     return {"bandwidth_bytes_per_s": bandwidth, "threads": torch.get_num_threads(), "floor_target": FLOOR_TARGET,
-            **data}
+            "machine": machine.line, **data}
 
 
 def bench_batched(quick: bool = False) -> dict:
