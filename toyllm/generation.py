@@ -24,6 +24,7 @@ import torch
 
 from .answers import answer, exercise, shortcut
 from .cache import KVCache, make_cache
+from .compiled import compiled_decoder
 from .utils import random_prompt  # noqa: F401  (re-exported: tests and lessons use it from here)
 
 METHODS = ("naive", "cached")
@@ -243,7 +244,6 @@ def generate(model, prompt_ids: list[int] | list[list[int]], max_new_tokens: int
         if method != "cached" or cache != "static" or prefilled_logits is not None:
             raise ValueError("compile=True needs method='cached', cache='static' and no prefilled_logits: the "
                              "compiled step keeps its own fixed-size cache")
-        from .compiled import compiled_decoder
         decoder = compiled_decoder(model, T + max_new_tokens, batch=B)
     elif method == "cached" and isinstance(cache, str):
         cache = make_cache(cache, model.config, max(2, T + max_new_tokens), batch=B, device=device)   # where the model is

@@ -168,9 +168,9 @@ def bench_llama_prefill(quick: bool = False, contexts=None, rounds: int | None =
     baseline); and llama.cpp with 2 threads in its own process (``toyllm.bench.llama``, batches of 512
     tokens). ``rounds`` defaults to 5, the fewest the rank test decides on (quick: 1). Each row keeps the
     runs and the verdicts computed from them (``measure.compare``): each toyllm configuration against
-    llama.cpp, and the parallel one against the one process. Without llama.cpp, "llama_missing" says how to install it and the rows hold toyllm's
-    configurations only; a llama.cpp worker that fails meanwhile costs its column from that context on (and
-    "llama_missing" says why), not the section.
+    llama.cpp, and the parallel one against the one process. Without llama.cpp, "llama_missing" says how
+    to install it and the rows hold toyllm's configurations only; a llama.cpp worker that fails meanwhile
+    costs its column from that context on (and "llama_missing" says why), not the section.
     """
     from ..launch import WorkerPool
     from ..measure import check_machine, compare, spread
