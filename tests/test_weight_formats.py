@@ -5,8 +5,8 @@ import torch.nn as nn
 
 import toyllm.quant as quant
 from toyllm import generate, load_model
-from toyllm.quant import (BF16Linear, FP16Linear, Int8Linear, WEIGHT_FORMATS, convert_linears, int8_per_channel,
-                          linear_weight_bytes, weight_format)
+from toyllm.quant import (BF16Linear, FP16Linear, Int4Linear, Int8Linear, WEIGHT_FORMATS, convert_linears,
+                          int4_blocks, int8_per_channel, linear_kernel, linear_weight_bytes, weight_format)
 from toyllm.utils import random_prompt
 
 # A fixed English text for teacher forcing (at least 256 SmolLM2 tokens).
@@ -33,9 +33,10 @@ def _tiny_linears():
     return cfg, cfg.n_layers * cfg.matmul_params_per_layer + cfg.vocab_size * cfg.d_model
 
 
-@pytest.mark.parametrize("weights", ["fp64", "int4", "", "FP32"])
+@pytest.mark.parametrize("weights", ["fp64", "int2", "", "FP32"])
 def test_unknown_weight_format_is_rejected(weights):
-    with pytest.raises(ValueError, match=r"unknown weight format weights=.*choose one of \['fp32', 'bf16', 'fp16', 'int8'\]"):
+    with pytest.raises(ValueError, match=r"unknown weight format weights=.*choose one of "
+                                         r"\['fp32', 'bf16', 'fp16', 'int8', 'int4'\]"):
         load_model("tiny", weights=weights)
     with pytest.raises(ValueError, match="unknown weight format"):
         convert_linears(load_model("tiny")[0], weights)
@@ -48,7 +49,10 @@ def test_bytes_per_weight_are_exact(weights):
     assert weight_format(model) == weights
     out_channels = cfg.n_layers * (cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim + cfg.d_model
                                    + 2 * cfg.ffn_dim + cfg.d_model) + cfg.vocab_size
-    expected = {"fp32": 4 * n, "bf16": 2 * n, "fp16": 2 * n, "int8": n + 2 * out_channels}[weights]  # bf16 scales
+    head = cfg.vocab_size * cfg.d_model
+    expected = {"fp32": 4 * n, "bf16": 2 * n, "fp16": 2 * n, "int8": n + 2 * out_channels,   # bf16 scales
+                # half a byte per layer weight, a bf16 scale and zero per 32; the output projection in int8
+                "int4": (n - head) // 2 + (n - head) // 32 * 4 + head + 2 * cfg.vocab_size}[weights]
     assert linear_weight_bytes(model) == expected
     if weights != "fp32":
         assert not any(isinstance(m, nn.Linear) for m in model.modules())
@@ -65,6 +69,45 @@ def test_int8_per_channel_rounds_each_row_to_its_own_scale():
     q, scale = int8_per_channel(w)
     err = (q.float() * scale[:, None] - w).abs()
     assert (err <= scale[:, None] / 2 + 1e-7).all()                # at most half a step of that row's scale
+
+
+def test_int4_blocks_round_each_block_of_32_to_its_own_range():
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(48, 96, generator=g) * torch.logspace(-3, 1, 48)[:, None]   # rows of very different size
+    q, scale, low = int4_blocks(w)
+    assert q.dtype == torch.uint8 and q.shape == (48, 96) and scale.shape == low.shape == (48, 3)
+    assert q.min() == 0 and q.max() == 15
+    blocks = w.reshape(48, 3, 32)
+    torch.testing.assert_close(low, blocks.amin(-1))                               # the minimum maps to 0
+    torch.testing.assert_close(scale, (blocks.amax(-1) - low) / 15)               # the maximum to 15
+    back = q.float().reshape(48, 3, 32) * scale[..., None] + low[..., None]
+    assert ((back - blocks).abs() <= scale[..., None] / 2 + 1e-6).all()            # half a step of its own block
+    # A block made the way GGUF's Q4_1 makes them (scale * code + minimum, codes 0 and 15 present) gives back its codes.
+    codes = torch.randint(0, 16, (8, 64), generator=g)
+    codes[:, ::32], codes[:, 1::32] = 0, 15
+    d, m = torch.rand(8, 2, 1, generator=g) * 0.01, torch.randn(8, 2, 1, generator=g) * 0.1
+    made = (codes.float().reshape(8, 2, 32) * d + m).reshape(8, 64)
+    assert torch.equal(int4_blocks(made)[0], codes.to(torch.uint8))
+
+
+def test_int4_needs_inputs_in_whole_blocks():
+    with pytest.raises(ValueError, match="int4 needs the input size to be a multiple of 32; this layer has 40 inputs"):
+        Int4Linear(torch.randn(8, 40))
+
+
+def test_int4_matches_its_own_stored_weights_and_keeps_an_int8_output_projection():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(96, 64, generator=g) * 0.1
+    x = torch.randn(2, 5, 64, generator=g)
+    q, scale, low = int4_blocks(w)
+    stored = (q.float().reshape(96, 2, 32) * scale[..., None] + low[..., None]).reshape(96, 64)
+    y = Int4Linear(w)(x)
+    assert y.shape == (2, 5, 96) and y.dtype == torch.float32
+    torch.testing.assert_close(y, x @ stored.T, atol=2e-2, rtol=0)              # bf16 activations, scales, outputs
+    model, _ = load_model("tiny", weights="int4")
+    assert isinstance(model.lm_head, Int8Linear) and model.lm_head.exact_top > 0
+    assert isinstance(model.layers[0].mlp.w_gate_up, Int4Linear)
+    assert linear_kernel(model) == "int4pack+int8pack" and linear_kernel(load_model("tiny")[0]) == "F.linear"
 
 
 @pytest.mark.parametrize("cls, atol", [(BF16Linear, 2e-2), (FP16Linear, 1e-3), (Int8Linear, 3e-2)])
@@ -106,7 +149,7 @@ def test_portable_kernels_give_the_same_results(monkeypatch):
         torch.testing.assert_close(layer(x), y, atol=1e-3, rtol=8e-3)   # one bfloat16 step is 2^-8 relative
 
 
-@pytest.mark.parametrize("weights", ["bf16", "fp16", "int8"])
+@pytest.mark.parametrize("weights", ["bf16", "fp16", "int8", "int4"])
 def test_formats_on_tiny_generate_and_agree_with_float32(weights):
     ref, _ = load_model("tiny")
     model, _ = load_model("tiny", weights=weights)
@@ -132,7 +175,7 @@ def smollm2_reference(smollm2):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("weights", ["bf16", "fp16", "int8"])
+@pytest.mark.parametrize("weights", ["bf16", "fp16", "int8", "int4"])
 def test_smollm2_formats_keep_the_greedy_answer_and_top1(smollm2, smollm2_reference, weights):
     _, tok = smollm2
     ids, ref_top1, ref_answer = smollm2_reference

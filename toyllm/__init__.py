@@ -29,7 +29,7 @@ def __getattr__(name: str):
 def load_model(name: str = "tiny", attention="dense", seed: int = 0, weights: str = "fp32"):
     """(model, tokenizer) for a preset: "tiny", "bench" (random, seeded) or "smollm2-135m" (GGUF weights).
 
-    weights: "fp32", "bf16", "fp16" or "int8" (see ``toyllm.quant``).
+    weights: "fp32", "bf16", "fp16", "int8" or "int4" (see ``toyllm.quant``).
     """
     from .weights import load_model as _load
 

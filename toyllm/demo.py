@@ -17,7 +17,7 @@ from .utils import TextStreamer
 QUESTION = "What is the capital of France?"
 
 
-def demo_decode_speed(formats=("fp32", "fp16", "bf16", "int8"), out=None) -> dict:
+def demo_decode_speed(formats=("fp32", "fp16", "bf16", "int8", "int4"), out=None) -> dict:
     """The decode-speed lines: SmolLM2 tokens/s in each format, and the fastest that still answers Paris."""
     from .bench.decode import smollm2_formats
 

@@ -24,6 +24,14 @@ Formats (``WEIGHT_FORMATS``), all for the matrices of ``nn.Linear`` layers:
   ``w[o, i] ~= scale[o] * q[o, i]`` with ``q`` in [-127, 127] and
   ``scale[o] = max_i |w[o, i]| / 127``; weight-only, as in gpt-fast: the
   activations are not quantized.
+- "int4": 4 bits per weight, in blocks of 32 consecutive weights of a row
+  that share a scale and a minimum (both bfloat16):
+  ``w ~= scale * q + minimum`` with ``q`` in [0, 15], 0.625 bytes per
+  weight in all. This is exactly the GGUF file's own Q4_1 layout, so for
+  SmolLM2 it finds the file's 4-bit codes again (only the scales round to
+  bfloat16). Weight-only too: the activations are rounded to bfloat16. The
+  output projection stays int8, as the file keeps it at 8 bits
+  (``OUTPUT_FORMAT``).
 
 Only the linear layers change. Norms, RoPE, attention, the residual stream
 and the logits stay float32; the embedding table stays float32 too (a
@@ -34,9 +42,10 @@ The kernels: PyTorch has several CPU paths for each format, and at batch 1
 they differ by large factors. Used here, the fastest measured on an x86 CPU
 that keep the accuracy: oneDNN's prepacked linear for bf16, FBGEMM's
 (``torch.ops.quantized``) for fp16, ``torch.ops.aten._weight_int8pack_mm``
-for int8. Where oneDNN or FBGEMM is missing (an ARM laptop has no FBGEMM),
-bf16 and fp16 fall back to ``F.linear`` in that type: the same results up to
-rounding, maybe slower.
+for int8, ``torch.ops.aten._weight_int4pack_mm_for_cpu`` for int4. Where
+oneDNN or FBGEMM is missing (an ARM laptop has no FBGEMM), bf16 and fp16
+fall back to ``F.linear`` in that type: the same results up to rounding,
+maybe slower.
 """
 from __future__ import annotations
 
@@ -47,8 +56,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-WEIGHT_FORMATS = ("fp32", "bf16", "fp16", "int8")
-BYTES_PER_WEIGHT = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
+WEIGHT_FORMATS = ("fp32", "bf16", "fp16", "int8", "int4")
+BYTES_PER_WEIGHT = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "int4": 0.625}   # int4: 4 bits + 2 bf16 per 32
 
 
 def check_weight_format(weights: str) -> None:
@@ -222,6 +231,60 @@ class Int8Linear(_ConvertedLinear):
         return self._exact_top(x, y.float().view(*shape[:-1], self.out_features))
 
 
+INT4_BLOCK = 32   # weights per int4 block (a row's 32 consecutive inputs), as in GGUF's Q4_0/Q4_1
+
+
+def int4_blocks(weight: torch.Tensor, block: int = INT4_BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit quantization in blocks of ``block`` inputs: (q (out, in) uint8 in [0, 15], scale, minimum).
+
+    scale and minimum are (out, in // block) float32, and ``w ~= scale * q + minimum``
+    blockwise: the minimum maps to 0 and the maximum to 15. A GGUF Q4_1 block
+    was made the same way, so its dequantized values give back its own codes.
+    """
+    out_features, in_features = weight.shape
+    if in_features % block:
+        raise ValueError(f"int4 needs the input size to be a multiple of {block}; this layer has {in_features} inputs")
+    w = weight.detach().float().reshape(out_features, in_features // block, block)   # (out, blocks, block)
+    low, high = w.amin(-1), w.amax(-1)                                               # (out, blocks)
+    scale = ((high - low) / 15).clamp(min=1e-12)
+    q = ((w - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return q.reshape(out_features, in_features), scale, low
+
+
+class Int4Linear(_ConvertedLinear):
+    """Weight-only int4 in blocks of 32 (GGUF's Q4_1 layout), bfloat16 activations.
+
+    ``torch.ops.aten._weight_int4pack_mm_for_cpu`` reads the codes in its own
+    packed layout and computes ``scale * (q - 8) + zero`` per block, so the
+    zero it is given is ``minimum + 8 * scale``. Like int8's kernel it is fast
+    only with bfloat16 activations (float32 ones measured about 30x slower)
+    and writes bfloat16 outputs. It is not used for the output projection
+    (see ``OUTPUT_FORMAT``), so it needs no exact_top.
+    """
+
+    fmt = "int4"
+    kernel = "int4pack"
+    bf16_outputs = True
+    traceable = True          # an ATen operator on plain tensors, like int8's
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__(weight.shape[1], weight.shape[0])
+        q, scale, low = int4_blocks(weight)                                   # (out, in), (out, blocks) x2
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        self.scale_and_zero = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().to(
+            torch.bfloat16)                                                   # (blocks, out, 2)
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.packed.nbytes + self.scale_and_zero.nbytes
+
+    def product(self, x):
+        shape = x.shape
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.packed,
+                                                      INT4_BLOCK, self.scale_and_zero)
+        return y.float().view(*shape[:-1], self.out_features)
+
+
 # The converted layers by key, for the operator that calls them from a compiled graph (toyllm.compiled).
 # The compiler cannot trace their kernels' arguments (FBGEMM's and oneDNN's packed weights are opaque
 # objects), so a compiled step calls each layer's own product through this operator: the same kernel and
@@ -242,7 +305,12 @@ def _(x, key):
 
 
 EXACT_TOP_LOGITS = 32   # logits per row recomputed in float32 when a projection writes bfloat16 (_ConvertedLinear)
-CONVERTERS = {"bf16": BF16Linear, "fp16": FP16Linear, "int8": Int8Linear}
+CONVERTERS = {"bf16": BF16Linear, "fp16": FP16Linear, "int8": Int8Linear, "int4": Int4Linear}
+# The output projection's format, where it differs from the layers'. SmolLM2's GGUF file keeps this
+# matrix (tied to the embedding table) at 8 bits, Q8_0, while its layers are Q4_1: at 4 bits the
+# logits move enough to change the greedy answer to "What is the capital of France?" (measured:
+# "L" overtakes "The" as the first token), at 8 bits they do not.
+OUTPUT_FORMAT = {"int4": "int8"}
 
 
 @torch.no_grad()
@@ -250,18 +318,20 @@ def convert_linears(model: nn.Module, weights: str) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (in place) by its ``weights`` format; returns the model.
 
     "fp32" leaves the model as it is. A tied output projection gets its own
-    converted copy; the embedding table it shared stays float32.
+    converted copy; the embedding table it shared stays float32. The output
+    projection takes ``OUTPUT_FORMAT[weights]`` where that exists.
     """
     check_weight_format(weights)
     if weights == "fp32":
         return model
-    convert = CONVERTERS[weights]
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 if child.bias is not None:
                     raise ValueError(f"{name}.{child_name} has a bias; only bias-free linears are converted")
-                exact = child_name == "lm_head" and convert.bf16_outputs
+                head = child_name == "lm_head"
+                convert = CONVERTERS[OUTPUT_FORMAT.get(weights, weights) if head else weights]
+                exact = head and convert.bf16_outputs
                 extra = {"exact_top": EXACT_TOP_LOGITS} if exact else {}
                 setattr(module, child_name, convert(child.weight, **extra))
     model.weight_format = weights
@@ -274,8 +344,10 @@ def weight_format(model: nn.Module) -> str:
 
 
 def linear_kernel(model: nn.Module) -> str:
-    """The kernel the layers' weight products run on ("F.linear" for float32 weights, else the format's)."""
-    return next((m.kernel for m in model.modules() if isinstance(m, _ConvertedLinear)), "F.linear")
+    """The kernels the weight products run on, joined by "+" where the output projection has its own
+    (int4: "int4pack+int8pack"); "F.linear" for float32 weights."""
+    kernels = dict.fromkeys(m.kernel for m in model.modules() if isinstance(m, _ConvertedLinear))
+    return "+".join(kernels) or "F.linear"
 
 
 def linear_layers(model: nn.Module) -> list[nn.Module]:

@@ -167,7 +167,7 @@ def load_model(name: str = "tiny", attention="dense", seed: int = 0,
     randomly initialised from ``seed``, with the byte tokenizer. Every call
     returns a new model object with its own weights.
     weights: the format of the linear layers' weights, "fp32" (as loaded),
-    "bf16", "fp16" or "int8" (see ``toyllm.quant``); fewer bytes per weight
+    "bf16", "fp16", "int8" or "int4" (see ``toyllm.quant``); fewer bytes per weight
     make decoding faster.
     """
     from .quant import check_weight_format, convert_linears
