@@ -125,3 +125,25 @@ def test_compare_prefills_times_every_configuration_in_turns_with_equal_answers(
     assert [measured.results[n].threads_per_rank for n in (ONE_THREAD, TWO_THREADS)] == [1, 2]
     assert len({r.first_token for r in measured.results.values()}) == 1
     assert measured.baseline in (ONE_THREAD, TWO_THREADS) and measured.parallel == ["KVR, [30, 10]"]
+
+
+def test_busy_cpu_seconds_counts_this_process_spinning(monkeypatch):
+    import time
+
+    import toyllm.measure
+    from toyllm.measure import busy_cpu_seconds, usable_cores
+
+    if math.isnan(busy_cpu_seconds()):
+        pytest.skip("no /proc/stat here")
+    start, wall, cpu = busy_cpu_seconds(), time.perf_counter(), time.process_time()
+    while time.process_time() - cpu < 0.3:          # 0.3 CPU-seconds of this process alone
+        pass
+    busy, wall = busy_cpu_seconds() - start, time.perf_counter() - wall
+    # at least most of our own spin (the kernel counts in ticks), at most every core for the whole time
+    assert 0.2 <= busy <= usable_cores() * wall + 0.05
+
+    def no_proc_stat(path, *args, **kwargs):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(toyllm.measure, "open", no_proc_stat, raising=False)   # found before the builtin
+    assert math.isnan(busy_cpu_seconds())

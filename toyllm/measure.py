@@ -290,6 +290,20 @@ def load_average() -> float:
         return math.nan
 
 
+def busy_cpu_seconds() -> float:
+    """CPU-seconds the whole machine has spent busy since it started (every process, this one or not),
+    from /proc/stat; nan where there is none (not Linux). The difference over a run, divided by its
+    wall-clock seconds, is how many cores were busy on average meanwhile."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return math.nan
+    # user nice system idle iowait irq softirq steal (guest time is counted in user already)
+    idle = sum(fields[3:5])
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 @dataclass(frozen=True)
 class MachineState:
     """What the machine looked like just before a measurement (``check_machine``)."""

@@ -7,6 +7,8 @@
 2. A class of ``--ratio-students`` graded with ``--jobs 1`` and with ``--jobs 2``, in turns (1, 2, 1,
    2, ...) so a slow spell of the machine hits both: each as median [lowest-highest run] in seconds,
    the ratio of the medians, and the lowest and highest ratio of the rounds.
+3. How many cores each run kept busy on average (the whole machine's, from /proc/stat), and so the
+   most ``--jobs 2`` could gain: the cores there are over those ``--jobs 1`` already kept busy.
 
 The load average is printed before and after: on a busy machine the figures mean less.
 """
@@ -16,11 +18,12 @@ import argparse
 import contextlib
 import io
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from ...measure import Spread, load_average, usable_cores
+from ...measure import Spread, busy_cpu_seconds, load_average, usable_cores
 from ...supervise import stop_signals_as_interrupt
 from ...course import solutions_dir
 from ..settings import Settings
@@ -40,18 +43,20 @@ def _class(folder: Path, students: int) -> Path:
     return folder
 
 
-def _grade(folder: Path, jobs: int) -> float:
-    """Seconds to grade the class in ``folder`` with ``jobs`` at a time; a student not fully graded stops the run."""
+def _grade(folder: Path, jobs: int) -> tuple[float, float]:
+    """Seconds to grade the class in ``folder`` with ``jobs`` at a time, and the cores busy on average
+    meanwhile (the whole machine's: ``measure.busy_cpu_seconds``); a student not fully graded stops the run."""
     book = folder.parent / f"{folder.name}-{jobs}-{time.monotonic_ns()}.csv"
     options = Options(only=None, extra_tests=None, timeout_s=60, memory_mb=8192, student_timeout_s=1800)
-    start = time.perf_counter()
+    start, busy = time.perf_counter(), busy_cpu_seconds()
     with contextlib.redirect_stdout(io.StringIO()):
         rows = grade_class(folder, book, folder.parent / f"{book.stem}-results", options, jobs, regrade=True)
     elapsed = time.perf_counter() - start
+    cores = (busy_cpu_seconds() - busy) / elapsed
     lost = [r.student for r in rows.values() if r.status != GRADED or r.total != sum(r.maxima.values())]
     if lost:
         raise SystemExit(f"the model answers lost points or were not graded: {lost} (see {book})")
-    return elapsed
+    return elapsed, cores
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,20 +72,29 @@ def main(argv: list[str] | None = None) -> None:
           f"default --jobs {jobs} ({why})", flush=True)
     with tempfile.TemporaryDirectory(prefix="toyllm-class-timing-") as tmp:
         tmp = Path(tmp)
-        whole = _grade(_class(tmp / "class", args.students), jobs)
+        whole, cores = _grade(_class(tmp / "class", args.students), jobs)
         per = whole / (args.students * len(LESSONS))
         print(f"{args.students} students x lessons 01-03 at --jobs {jobs}: {whole:.1f} s, {per:.2f} s per student "
-              f"and lesson", flush=True)
+              f"and lesson; {cores:.2f} cores busy on average", flush=True)
         small = _class(tmp / "small", args.ratio_students)
-        one, two = [], []
+        one, two, busy_one, busy_two = [], [], [], []
         for i in range(args.rounds):
-            one.append(_grade(small, 1))
-            two.append(_grade(small, 2))
-            print(f"  round {i + 1}: --jobs 1 {one[-1]:.1f} s, --jobs 2 {two[-1]:.1f} s", flush=True)
+            for runs, busy, jobs_now in ((one, busy_one, 1), (two, busy_two, 2)):
+                seconds, cores = _grade(small, jobs_now)
+                runs.append(seconds)
+                busy.append(cores)
+            print(f"  round {i + 1}: --jobs 1 {one[-1]:.1f} s ({busy_one[-1]:.2f} cores busy), "
+                  f"--jobs 2 {two[-1]:.1f} s ({busy_two[-1]:.2f} cores busy)", flush=True)
         ratios = [a / b for a, b in zip(one, two)]
         a, b = Spread(tuple(one)), Spread(tuple(two))
         print(f"{args.ratio_students} students x lessons 01-03: --jobs 1 {a}, --jobs 2 {b}: --jobs 2 is "
               f"{a.median / b.median:.2f}x faster (ratio of medians; rounds {min(ratios):.2f}-{max(ratios):.2f})")
+        # With the same work, --jobs 2 can at best keep every core busy: its gain is bounded by the
+        # cores there are over the cores --jobs 1 already kept busy.
+        busy = statistics.median(busy_one)
+        print(f"--jobs 1 kept {busy:.2f} of {usable_cores()} cores busy on average (median of the rounds; the "
+              f"whole machine's, from /proc/stat), so --jobs 2 could gain at most about "
+              f"{usable_cores() / busy:.2f}x on this machine")
     print(f"load average after timing: {load_average():.2f}")
 
 
