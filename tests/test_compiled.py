@@ -104,7 +104,11 @@ def test_the_weights_section_shows_compiled_steps_and_the_llama_target_from_the_
                              "paris": True, "same_as_fp32": True,
                              "compiled": {"runs_s": fast, "tokens_per_s": 1 / 0.0151, "vs_eager": compare(fast, eager),
                                           "same_tokens": True, "compile_s": 55.0}}, 1e10)
-    broken = {**row, "format": "fp16", "paris": False, "compiled": {"compiled_error": "InductorError: no compiler"}}
+    ahead = _five([0.012, 0.0121, 0.0122])
+    row["ahead"] = {"runs_s": ahead, "tokens_per_s": 1 / 0.0121, "vs_eager": compare(ahead, eager),
+                    "vs_compiled": compare(ahead, fast), "same_tokens": True, "compile_s": 48.0}
+    broken = {**row, "format": "fp16", "paris": False, "compiled": {"compiled_error": "InductorError: no compiler"},
+              "ahead": {"compiled_error": "ValueError: compile='ahead' needs weight kernels that are ATen operators"}}
     data = {"bandwidth_bytes_per_s": 1e10, "threads": 2, "prompt_len": 37, "new_tokens": 32, "rounds": 5,
             "attention": "dense", "rows": [row, broken], "best": row, "at_floor": [], "capability": "AVX512",
             "floor_target": 0.65,
@@ -118,8 +122,10 @@ def test_the_weights_section_shows_compiled_steps_and_the_llama_target_from_the_
             "vs_llama_target": compare(fast, [s / 0.6 for s in llama])}
     text = render_section("weights", data)
     # the rest of the step: 20.10 ms eager and 15.10 ms compiled, minus 8 ms of products alone
-    assert "| int8 | 49.8 [49.5-50.0] | 66.2 [65.8-66.7] | 1.33x faster | 12.10 / 7.10 | yes | 55 |" in text
-    assert "| fp16 | 49.8 | did not compile: InductorError: no compiler | - | - | - | - |" in text
+    assert "| int8 | 49.8 [49.5-50.0] | 66.2 [65.8-66.7] | 1.33x faster | 12.10 / 7.10 | yes | 55 " \
+           "| 82.6 [82.0-83.3] | 1.25x faster | yes | 48 |" in text, text
+    assert "| fp16 | 49.8 | did not compile: InductorError: no compiler | - | - | - | - " \
+           "| not for this format: its kernel calls back into Python | - | - | - |" in text
     assert "The fastest way here that answers \"Paris\", eager or compiled, is int8, compiled: 66.2 tokens/s, " \
            "0.54x llama.cpp's 123.5" in text
     # 15.1 ms against llama.cpp's 8.1 / 0.6 = 13.5 ms, every round apart: missed
@@ -139,3 +145,18 @@ def test_the_weights_section_shows_compiled_steps_and_the_llama_target_from_the_
     quick = {**row, "compiled": {**row["compiled"], "tokens_per_s": 1 / 0.0075}}
     assert "| 12.10 / none left: the whole compiled step (7.50) is under the eager products |" in \
            render_section("weights", {**data, "rows": [quick]})
+
+
+def test_ahead_of_time_gives_the_eager_tokens_and_refuses_python_kernels(tiny_models):
+    model = tiny_models["int4"]
+    eager = generate(model, PROMPT, 8, return_logits=True)
+    ahead = generate(model, PROMPT, 8, compile="ahead", return_logits=True)
+    assert ahead.output_ids == eager.output_ids
+    for a, b in zip(ahead.logits, eager.logits):
+        torch.testing.assert_close(a, b, atol=1e-2, rtol=0)            # bfloat16 activations, as above
+    decoder = compiled_decoder(model, len(PROMPT) + 8, ahead_of_time=True)
+    assert decoder.ahead_of_time and decoder is not compiled_decoder(model, len(PROMPT) + 8)
+    with pytest.raises(ValueError, match="compile='ahead' needs weight kernels that are ATen operators .*FP16Linear"):
+        generate(tiny_models["fp16"], PROMPT, 4, compile="ahead")
+    with pytest.raises(ValueError, match="compile must be False, True .* or 'ahead' .*, got 'aot'"):
+        generate(model, PROMPT, 4, compile="aot")

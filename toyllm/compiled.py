@@ -23,10 +23,19 @@ tokens match the eager path (tested); logits agree to rounding.
 
 Use it through ``generate(..., compile=True)``. The eager path stays the
 one the lessons read; this one is an engine option.
+
+``generate(..., compile="ahead")`` compiles the same step ahead of time
+instead: ``torch.export`` captures it as a graph and AOTInductor builds a
+shared library from it, which the step then calls with no Python tracing
+machinery (no guards to check) between the calls. Its weight kernels must
+be ATen operators (float32, int8, int4): AOTInductor cannot call back into
+Python, which FBGEMM's and oneDNN's packed formats (fp16, bf16) need.
 """
 from __future__ import annotations
 
+import tempfile
 import weakref
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +45,18 @@ from .attention import group_queries
 # Inductor's settings for the step: treat the weights as constants (freezing lets it prepack them for
 # its kernels and fold what depends only on them) and call the kernels from generated C++, not Python.
 INDUCTOR_OPTIONS = {"freezing": True, "cpp_wrapper": True}
+COMPILE_MODES = (True, "ahead")   # generate(compile=...): just in time (torch.compile) or ahead of time (AOTInductor)
+
+
+class _Step(torch.nn.Module):
+    """The decoder's step as a module, the form ``torch.export`` takes (the model's weights are its state)."""
+
+    def __init__(self, decoder: "CompiledDecoder", model):
+        super().__init__()
+        self.model, self.decoder = model, decoder
+
+    def forward(self, ids, pos, k_buf, v_buf):
+        return self.decoder._forward(ids, pos, k_buf, v_buf)
 
 
 class CompiledDecoder:
@@ -45,9 +66,11 @@ class CompiledDecoder:
     and fills the buffers; ``step(tokens)`` feeds one token per sequence
     (B, 1) through the compiled step. Both return float32 logits (B, vocab).
     ``reset()`` starts over (the old rows stay but are masked out).
+    ahead_of_time: compile with ``torch.export`` and AOTInductor (see the
+    module's docstring) instead of ``torch.compile``.
     """
 
-    def __init__(self, model, capacity: int, batch: int = 1):
+    def __init__(self, model, capacity: int, batch: int = 1, ahead_of_time: bool = False):
         cfg = model.config
         if not 1 <= capacity <= cfg.max_context:
             raise ValueError(f"capacity must be between 1 and max_context={cfg.max_context} tokens, got {capacity}")
@@ -64,7 +87,15 @@ class CompiledDecoder:
         self.k = torch.zeros(shape, device=device)                       # (L, B, Hkv, capacity, D)
         self.v = torch.zeros(shape, device=device)
         self.length = 0                                                  # tokens written so far
-        self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS)
+        if ahead_of_time:
+            untraceable = sorted({type(m).__name__ for m in model.modules() if getattr(m, "traceable", True) is False})
+            if untraceable:
+                raise ValueError(f"compile='ahead' needs weight kernels that are ATen operators (formats fp32, int8, "
+                                 f"int4); this model has {', '.join(untraceable)}, which calls back into Python")
+            self._compiled = None                                          # built at the first step
+        else:
+            self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS)
+        self.ahead_of_time = ahead_of_time
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> torch.Tensor:
         """Logits (B, vocab) of the last of ids (B, T) at positions pos (T,), after the rows before pos[0]."""
@@ -116,7 +147,25 @@ class CompiledDecoder:
         self._check(tokens)
         if tokens.shape[1] != 1:
             raise ValueError(f"a decode step takes one token per sequence, got {tokens.shape[1]}")
-        return self._compiled(tokens, self._positions(1), self.k, self.v)
+        pos = self._positions(1)
+        if self._compiled is None:
+            self._compiled = self._compile_ahead(tokens, pos)
+        return self._compiled(tokens, pos, self.k, self.v)
+
+    def _compile_ahead(self, tokens: torch.Tensor, pos: torch.Tensor):
+        """Export the step for these shapes and build it with AOTInductor; returns the loaded step."""
+        model = self._model()
+        # export traces outside inference mode (its tensors would become constants it cannot name), with
+        # ordinary copies of the example inputs
+        with torch.inference_mode(False), torch.no_grad():
+            program = torch.export.export(_Step(self, model), (tokens.clone(), pos.clone(), self.k, self.v),
+                                          strict=False)
+        # the package is read once, at loading: its folder can go with this decoder
+        self._package_dir = tempfile.TemporaryDirectory(prefix="toyllm-aot-")
+        path = torch._inductor.aoti_compile_and_package(
+            program, package_path=str(Path(self._package_dir.name) / "step.pt2"),
+            inductor_configs={"freezing": True})
+        return torch._inductor.aoti_load_package(path)
 
 
 # One compiled step per (model, batch, capacity), kept as long as the model lives: compiling takes tens of
@@ -124,11 +173,12 @@ class CompiledDecoder:
 _DECODERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def compiled_decoder(model, tokens: int, batch: int = 1) -> CompiledDecoder:
+def compiled_decoder(model, tokens: int, batch: int = 1, ahead_of_time: bool = False) -> CompiledDecoder:
     """The model's compiled decoder for ``batch`` sequences of up to ``tokens`` tokens, reset, made once."""
     decoders = _DECODERS.setdefault(model, {})
-    if (batch, tokens) not in decoders:
-        decoders[batch, tokens] = CompiledDecoder(model, tokens, batch)
-    decoder = decoders[batch, tokens]
+    key = (batch, tokens, ahead_of_time)
+    if key not in decoders:
+        decoders[key] = CompiledDecoder(model, tokens, batch, ahead_of_time)
+    decoder = decoders[key]
     decoder.reset()
     return decoder

@@ -24,7 +24,7 @@ import torch
 
 from .answers import answer, exercise, shortcut
 from .cache import KVCache, make_cache
-from .compiled import compiled_decoder
+from .compiled import COMPILE_MODES, compiled_decoder
 from .utils import random_prompt  # noqa: F401  (re-exported: tests and lessons use it from here)
 
 METHODS = ("naive", "cached")
@@ -205,7 +205,7 @@ def generate(model, prompt_ids: list[int] | list[list[int]], max_new_tokens: int
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
              eos_id: int | None = None, on_token: Callable[[int], None] | None = None,
              return_logits: bool = False, prefilled_logits: torch.Tensor | None = None,
-             compile: bool = False) -> GenerationResult | list[GenerationResult]:
+             compile: bool | str = False) -> GenerationResult | list[GenerationResult]:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
 
     prompt_ids: one prompt (a list of token ids) -> one ``GenerationResult``;
@@ -224,10 +224,12 @@ def generate(model, prompt_ids: list[int] | list[list[int]], max_new_tokens: int
     eos_id: a sequence stops after producing this token (a batch runs until
     every sequence has stopped). on_token(id) is called for each new token as
     soon as it exists (streaming; one prompt only).
-    compile: run the decode steps as one compiled function with fixed
+    compile: True runs the decode steps as one compiled function with fixed
     shapes (``toyllm.compiled``): the same greedy tokens, less time per
-    token; the first call for a model compiles (tens of seconds). It needs
-    the cached method and the default static cache, and no prefilled_logits.
+    token; the first call for a model compiles (tens of seconds). "ahead"
+    builds that function ahead of time instead (``torch.export`` and
+    AOTInductor; weight formats fp32, int8 and int4). Either needs the
+    cached method and the default static cache, and no prefilled_logits.
     It runs in ``torch.inference_mode``, which makes each operator call
     cheaper than under ``no_grad``; the logits it returns are inference
     tensors: read them freely, ``.clone()`` one before writing into it.
@@ -240,11 +242,14 @@ def generate(model, prompt_ids: list[int] | list[list[int]], max_new_tokens: int
     B, T = prompts.shape
     t0 = time.perf_counter()
     decoder = None
-    if compile:
+    if compile is not False:
+        if compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be False, True (compile when first called) or 'ahead' (torch.export "
+                             f"and AOTInductor), got {compile!r}")
         if method != "cached" or cache != "static" or prefilled_logits is not None:
-            raise ValueError("compile=True needs method='cached', cache='static' and no prefilled_logits: the "
-                             "compiled step keeps its own fixed-size cache")
-        decoder = compiled_decoder(model, T + max_new_tokens, batch=B)
+            raise ValueError(f"compile={compile!r} needs method='cached', cache='static' and no prefilled_logits: "
+                             "the compiled step keeps its own fixed-size cache")
+        decoder = compiled_decoder(model, T + max_new_tokens, batch=B, ahead_of_time=compile == "ahead")
     elif method == "cached" and isinstance(cache, str):
         cache = make_cache(cache, model.config, max(2, T + max_new_tokens), batch=B, device=device)   # where the model is
 

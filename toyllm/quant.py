@@ -215,8 +215,10 @@ class Int8Linear(_ConvertedLinear):
 
     def __init__(self, weight: torch.Tensor, exact_top: int = 0):
         super().__init__(weight.shape[1], weight.shape[0], exact_top)
-        self.q, scale = int8_per_channel(weight)                            # (out, in), (out,)
-        self.scale = scale.to(torch.bfloat16)
+        q, scale = int8_per_channel(weight)                                 # (out, in), (out,)
+        # buffers, not plain attributes: they move with the module, and torch.export sees them as its state
+        self.register_buffer("q", q, persistent=False)
+        self.register_buffer("scale", scale.to(torch.bfloat16), persistent=False)
 
     @property
     def weight_nbytes(self) -> int:
@@ -270,9 +272,10 @@ class Int4Linear(_ConvertedLinear):
     def __init__(self, weight: torch.Tensor):
         super().__init__(weight.shape[1], weight.shape[0])
         q, scale, low = int4_blocks(weight)                                   # (out, in), (out, blocks) x2
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-        self.scale_and_zero = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().to(
-            torch.bfloat16)                                                   # (blocks, out, 2)
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1),
+                             persistent=False)
+        self.register_buffer("scale_and_zero", torch.stack([scale, low + 8 * scale], -1).transpose(0, 1)
+                             .contiguous().to(torch.bfloat16), persistent=False)            # (blocks, out, 2)
 
     @property
     def weight_nbytes(self) -> int:
