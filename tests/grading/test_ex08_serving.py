@@ -213,7 +213,6 @@ def gathered_one_by_one(store, table, layer, length):
 def test_ex8_2_rows_in_token_order(ex08, drawn):
     gen = drawn.generator("8.2")
     rng = drawn.rng("8.2")
-    store = torch.randn(8, 3, 2, BLOCK, 5)                     # (n_blocks, n_layers, Hkv, block_size, D)
     blocks = rng.sample(range(8), 4)
     cases = [([5, 1, 6], 2, 10, ""), ([3], 0, 4, ""), ([7, 2], 1, 5, ""),
              (blocks, rng.randrange(3), rng.randint(1, 4 * BLOCK), f" ({drawn})")]
