@@ -24,6 +24,7 @@ from toyllm import answers
 from toyllm.grading import GradeReport, grade, load_exercise, make_stub, resolve_impl, sync
 from toyllm.grading.sandbox.launcher import namespaces_work
 from toyllm.grading.sandbox.process import sandbox_user
+from toyllm.grading.sandbox.server import NAME as SANDBOX_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 SUBMISSIONS = ROOT / "tests" / "fixtures" / "submissions"
@@ -705,6 +706,19 @@ def test_an_engine_step_cannot_be_forged(tmp_path, fixture, why):
     assert report.by_exercise()["5.1"] == (4, 4) if "5.1" in report.by_exercise() else True
 
 
+def _serving(grader: subprocess.Popen) -> bool:
+    """Has a sandbox of this grading started serving? (``server.serve`` names its process ``NAME``.)"""
+    import psutil
+
+    for p in psutil.Process(grader.pid).children(recursive=True):
+        try:
+            if p.name() == SANDBOX_NAME:
+                return True
+        except psutil.Error:                        # gone, or a zombie, meanwhile
+            pass
+    return False
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fixture", ["hanging", "escaping"])
@@ -724,8 +738,7 @@ def test_sigterm_to_the_grader_ends_every_process_it_started(tmp_path, fixture):
         deadline = time.monotonic() + 60
         started = []
         while time.monotonic() < deadline:          # wait until the sandbox serves (then runs the hanging call)
-            started = psutil.Process(proc.pid).children(recursive=True)
-            if any("toyllm.grading.sandbox.server" in " ".join(p.cmdline()) for p in started if p.is_running()):
+            if _serving(proc):
                 break
             time.sleep(0.5)
         else:

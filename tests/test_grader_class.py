@@ -337,3 +337,23 @@ def test_a_class_is_graded_resumed_after_ctrl_c_and_the_hostile_one_changes_no_o
     assert shown.startswith("ignored 3 file(s)"), shown                   # the student reads it too
     shown = json.loads((tmp_path / "grades-results" / "answers.json").read_text())["output"]
     assert "not graded: ex02, ex04-ex09 (no exNN file for them in answers;" in shown, shown   # not the grader's copy
+
+
+@pytest.mark.parametrize("two, word", [
+    ([50.0, 51.0, 52.0, 50.5, 51.5], "met"),                               # 2.0x: above 1.5x in every round
+    ([80.0, 81.0, 82.0, 80.5, 81.5], "not met"),                           # 1.25x, like the first measurement
+    ([66.0, 67.5, 66.5, 67.0, 68.0], "neither met nor missed for certain"),  # 1.5x, inside the noise
+])
+def test_the_class_timing_target_is_a_verdict_from_the_rounds(two, word):
+    from toyllm.grading.grader.class_timing import target_line
+
+    one = [100.0, 101.0, 102.0, 100.5, 101.5]
+    line = target_line(one, two)
+    assert line.startswith(f"target 1.5x: {word}"), line
+    assert "5 rounds" in line
+
+
+def test_the_class_timing_target_needs_five_rounds():
+    from toyllm.grading.grader.class_timing import target_line
+
+    assert target_line([100.0, 101.0], [50.0, 51.0]).startswith("target 1.5x: not decided (2 rounds; a verdict needs 5)")

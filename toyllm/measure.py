@@ -209,6 +209,16 @@ class Verdict:
         return next((extra for extra in range(4)
                      if _as_printed(fast.median, extra) < _as_printed(slow.median, extra)), 4)
 
+    @property
+    def target(self) -> str:
+        """The verdict read as a target met or not, where the baseline's runs were scaled to the slowest that
+        would still meet it (llama.cpp's seconds over 0.6, say): "met", "not met", or why neither."""
+        if self.decided:
+            return "met" if self.word == "faster" else "not met"
+        if self.word == "tie":
+            return "neither met nor missed for certain: the difference is inside the noise of the runs"
+        return f"not decided ({self._undecided})"
+
     def sentence(self, ours: str, base: str) -> str:
         """One line with both medians, the ranges of their runs, the rank test and the decision.
 

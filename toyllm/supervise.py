@@ -3,7 +3,8 @@
 - ``signal_group``: signal a process and everything it started (it leads its own group);
 - ``die_with_parent``: in a child, ask the kernel to end it when its parent dies;
 - ``become_subreaper``: orphans of this process's descendants come back to it, not to PID 1;
-- ``describe_exit``: "was killed by SIGKILL (exit code -9)", for messages.
+- ``describe_exit``: "was killed by SIGKILL (exit code -9)", for messages;
+- ``name_process``: the name ``ps`` and ``top`` show for this process;
 - ``stop_signals_as_interrupt``: SIGTERM and SIGHUP unwind like Ctrl-C (``Terminated``), so the same
   clean-up runs.
 
@@ -18,6 +19,7 @@ import threading
 from contextlib import contextmanager
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -41,6 +43,14 @@ def die_with_parent(sig: int = signal.SIGKILL) -> bool:
 def become_subreaper() -> bool:
     """Descendants orphaned below this process are re-parented to it, so it can still end them."""
     return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def name_process(name: str) -> bool:
+    """Give this process the name ``ps`` and ``top`` show (at most 15 bytes: the kernel cuts the rest)."""
+    try:
+        return libc().prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0) == 0
+    except (OSError, AttributeError):          # not Linux
+        return False
 
 
 def signal_group(pid: int | None, sig: int = signal.SIGKILL) -> None:

@@ -1,12 +1,14 @@
 """How long a class takes to grade: the figures of docs/grading.md's "Grading a class", measured in one run.
 
-    python -m toyllm.grading.grader.class_timing [--students 20] [--ratio-students 4] [--rounds 2]
+    python -m toyllm.grading.grader.class_timing [--students 20] [--ratio-students 4] [--rounds 5]
 
 1. A class of ``--students`` copies of the model answers of lessons 01-03, graded by ``grade --class``
    at the default ``--jobs``: seconds per student and lesson (the wall time over students x 3).
 2. A class of ``--ratio-students`` graded with ``--jobs 1`` and with ``--jobs 2``, in turns (1, 2, 1,
    2, ...) so a slow spell of the machine hits both: each as median [lowest-highest run] in seconds,
-   the ratio of the medians, and the lowest and highest ratio of the rounds.
+   the ratio of the medians, the lowest and highest ratio of the rounds, and the verdict on the target
+   (``TARGET_GAIN``x), decided from the runs like every verdict of the course (``measure.compare``:
+   ``--jobs 2``'s seconds against ``--jobs 1``'s divided by the target, the slowest that would meet it).
 3. How many cores each run kept busy on average (the whole machine's, from /proc/stat), and so the
    most ``--jobs 2`` could gain: the cores there are over those ``--jobs 1`` already kept busy.
 
@@ -23,13 +25,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from ...measure import Spread, busy_cpu_seconds, load_average, usable_cores
+from ...measure import Spread, busy_cpu_seconds, compare, load_average, usable_cores
 from ...supervise import stop_signals_as_interrupt
 from ...course import solutions_dir
 from ..settings import Settings
 from .gradebook import GRADED, Options, default_jobs, grade_class
 
 LESSONS = ("ex01", "ex02", "ex03")
+TARGET_GAIN = 1.5              # --jobs 2 over --jobs 1 on a 2-core machine, for these arithmetic lessons
 
 
 def _class(folder: Path, students: int) -> Path:
@@ -59,11 +62,18 @@ def _grade(folder: Path, jobs: int) -> tuple[float, float]:
     return elapsed, cores
 
 
+def target_line(one: list[float], two: list[float]) -> str:
+    """The verdict on ``TARGET_GAIN`` from the rounds' seconds with ``--jobs 1`` and ``--jobs 2``."""
+    verdict = compare(two, [t / TARGET_GAIN for t in one])
+    return f"target {TARGET_GAIN}x: {verdict.target} ({verdict.sentence('--jobs 2', f'--jobs 1 / {TARGET_GAIN}')})"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m toyllm.grading.grader.class_timing", description=__doc__.split("\n")[0])
     parser.add_argument("--students", type=int, default=20, help="the class graded at the default --jobs (default 20)")
     parser.add_argument("--ratio-students", type=int, default=4, help="the class graded at --jobs 1 and 2 (default 4)")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of --jobs 1 and --jobs 2 (default 2)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds of --jobs 1 and --jobs 2 (default 5, the fewest a verdict can come from)")
     args = parser.parse_args(argv)
     if not (1 <= args.students <= 500 and 1 <= args.ratio_students <= 100 and 1 <= args.rounds <= 20):
         parser.error("--students must be 1-500, --ratio-students 1-100 and --rounds 1-20")
@@ -89,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         a, b = Spread(tuple(one)), Spread(tuple(two))
         print(f"{args.ratio_students} students x lessons 01-03: --jobs 1 {a}, --jobs 2 {b}: --jobs 2 is "
               f"{a.median / b.median:.2f}x faster (ratio of medians; rounds {min(ratios):.2f}-{max(ratios):.2f})")
+        print(target_line(one, two))
         # With the same work, --jobs 2 can at best keep every core busy: its gain is bounded by the
         # cores there are over the cores --jobs 1 already kept busy.
         busy = statistics.median(busy_one)

@@ -28,7 +28,9 @@ namespaces, it
 3. drops to the sandbox user (no supplementary groups): as root, by
    default a user id of its own that no account and no process has
    (``unused_id``), so its process limit counts only this sandbox;
-4. starts over as that user: ``server.serve`` sets the limits and serves.
+4. starts over as that user: ``server.serve`` sets the limits and serves,
+   in a fresh Python (``execv``), or, in a copy forked by ``zygote``
+   (which imported torch once for every sandbox), in this same process.
 
 Without namespaces (not root, or a kernel that refuses them) only steps
 3-4 happen (3 only as root): the grader then ends strays by walking the
@@ -370,7 +372,9 @@ def _contain(fd: int, hide: list[Path], uid: int, gid: int) -> Path:
     return inside
 
 
-def main() -> None:
+def main(in_process: bool = False) -> list[str]:
+    """Steps 1-4. ``in_process`` (a copy forked by ``zygote``, which has torch imported already): steps 1-3
+    only, returning the arguments of ``server.serve``, which the caller runs in this same process."""
     fd, reference, parent_pid, limits, user, hide = sys.argv[1:7]
     if user != "-" and os.geteuid() == 0:
         uid, gid = (int(x) for x in user.split(","))
@@ -386,6 +390,8 @@ def main() -> None:
         os.setgroups([])
         os.setgid(gid)
         os.setuid(uid)
+    if in_process:
+        return [fd, reference, parent_pid, limits]
     os.execv(sys.executable, [sys.executable, "-c", "from toyllm.grading.sandbox.server import serve; serve()",
                               fd, reference, parent_pid, limits])
 

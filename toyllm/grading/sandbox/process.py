@@ -160,8 +160,103 @@ def isolation() -> str:
          if namespaces_work() else "")
 
 
+class _Forked:
+    """A sandbox process the zygote forked, as far as ``Sandbox`` uses ``subprocess.Popen``: it was re-parented
+    to this process (a child subreaper), so this process waits for it like for a child of its own."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def _reap(self, flags: int) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, flags)
+            except ChildProcessError:          # reaped elsewhere: it is gone, how is unknown
+                self.returncode = 1
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self._reap(os.WNOHANG)
+
+    def wait(self) -> int:
+        return self._reap(0)
+
+
+class Zygote:
+    """A process that has imported torch and forks each new sandbox (``zygote``): a sandbox starts in
+    milliseconds instead of the seconds a fresh Python takes to import torch. One per grading process,
+    started with the sandbox's base environment; ``launch`` returns None where it cannot serve (then
+    ``Sandbox`` starts the launcher script as before)."""
+
+    READY_TIMEOUT_S = 120          # its import of torch, on a busy machine
+    REPLY_TIMEOUT_S = 30           # one fork
+
+    def __init__(self, env: dict[str, str]):
+        self.control, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("zygote.py")),
+                                          str(child.fileno())], env=env, pass_fds=(child.fileno(),),
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=die_with_parent)
+        finally:
+            child.close()
+        self.ready = False
+
+    def launch(self, argv: list[str], env: dict[str, str], cwd: Path, fds: tuple[int, int]) -> _Forked | None:
+        """Fork a sandbox running ``launcher.py FD *argv`` with ``env`` in ``cwd``; ``fds``: its socket and the
+        file for its output. None if the zygote failed (it is then ended)."""
+        import json
+
+        try:
+            if not self.ready:
+                self.control.settimeout(self.READY_TIMEOUT_S)
+                self.ready = json.loads(self.control.recv(4096) or b"{}").get("ready", False)
+                if not self.ready:
+                    raise ConnectionError("the zygote ended before it was ready")
+            self.control.settimeout(self.REPLY_TIMEOUT_S)
+            request = {"argv": argv, "env": env, "cwd": str(cwd), "parent": os.getpid()}
+            socket.send_fds(self.control, [json.dumps(request).encode()], list(fds))
+            reply = json.loads(self.control.recv(4096) or b"{}")
+            if not reply.get("pid"):
+                raise ConnectionError(reply.get("error", "no reply"))
+            return _Forked(reply["pid"])
+        except (OSError, ValueError):
+            self.close()
+            return None
+
+    def close(self) -> None:
+        self.control.close()
+        signal_group(self.proc.pid)
+        self.proc.wait()
+
+
+_zygote: Zygote | None = None
+_zygote_failed = False
+
+
+def _get_zygote(env: dict[str, str]) -> Zygote | None:
+    """This process's zygote, started on first use with ``env`` (the parts all sandboxes share); None where
+    it cannot be used (no child subreaper to re-parent its sandboxes to, or it failed once)."""
+    global _zygote
+    if _zygote is None and not _zygote_failed and become_subreaper():
+        _zygote = Zygote(env)
+    return _zygote
+
+
+def _end_zygote(failed: bool = False) -> None:
+    global _zygote, _zygote_failed
+    if _zygote is not None:
+        zygote, _zygote = _zygote, None
+        zygote.close()
+    _zygote_failed = _zygote_failed or failed
+
+
 class _Launched(NamedTuple):
-    proc: subprocess.Popen
+    proc: subprocess.Popen | _Forked
     sock: socket.socket
     output: BinaryIO               # read end of its stdout and stderr
     scratch: Path
@@ -210,8 +305,7 @@ class Sandbox:
         limits = f"{self.memory_mb},{CPU_LIMIT_S},{FILE_LIMIT_BYTES},{PROCESS_LIMIT if self.user else 0}"
         user = f"{self.user[0]},{self.user[1]}" if self.user else "-"
         hide = os.pathsep.join(str(p) for p in self.hide)
-        cmd = [sys.executable, str(Path(__file__).with_name("launcher.py")),
-               str(child.fileno()), str(scratch / "reference"), str(os.getpid()), limits, user, hide]
+        args = [str(scratch / "reference"), str(os.getpid()), limits, user, hide]
         _become_subreaper()
         # Fresh descriptors for the sandbox's output: a write-only one on a file of the grader's (mode 0600),
         # never the trusted test process's own stdout and stderr, where pytest captures what a test printed.
@@ -220,9 +314,16 @@ class Sandbox:
         write_only = os.open(path, os.O_WRONLY | os.O_APPEND)
         os.unlink(path)
         try:
-            proc = subprocess.Popen(cmd, cwd=scratch, env=env, pass_fds=(child.fileno(),),
-                                    stdin=subprocess.DEVNULL, stdout=write_only, stderr=write_only,
-                                    start_new_session=True, preexec_fn=die_with_parent)
+            # The zygote shares what no sandbox changes: everything but the scratch folder's paths.
+            zygote = _get_zygote({k: v for k, v in env.items() if str(scratch) not in v})
+            proc = zygote and zygote.launch(args, env, scratch, (child.fileno(), write_only))
+            if zygote is not None and proc is None:
+                _end_zygote(failed=True)
+            if proc is None:
+                proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("launcher.py")),
+                                         str(child.fileno()), *args], cwd=scratch, env=env,
+                                        pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, stdout=write_only,
+                                        stderr=write_only, start_new_session=True, preexec_fn=die_with_parent)
         finally:
             os.close(write_only)
             child.close()
@@ -275,11 +376,12 @@ class Sandbox:
         shutil.rmtree(launched.scratch, ignore_errors=True)
 
     def close(self) -> None:
-        """End the sandbox and the spare one."""
+        """End the sandbox, the spare one and the zygote."""
         self.kill()
         if self._spare is not None:
             spare, self._spare = self._spare, None
             self._end(spare)
+        _end_zygote()
 
     def kill(self) -> None:
         """End the sandbox and every process it started, however they detached."""
@@ -303,7 +405,7 @@ class Sandbox:
         if self._spare is None:
             return False
         try:
-            return os.getsid(pid) == self._spare.proc.pid
+            return pid == self._spare.proc.pid or os.getsid(pid) == self._spare.proc.pid
         except OSError:
             return False
 
@@ -311,7 +413,8 @@ class Sandbox:
         import psutil
 
         for _ in range(5):                 # orphans keep arriving while their parents die
-            strays = [p for p in _children() if p.pid not in self._others and not self._in_spare(p.pid)]
+            zygote = {_zygote.proc.pid} if _zygote is not None else set()
+            strays = [p for p in _children() if p.pid not in self._others | zygote and not self._in_spare(p.pid)]
             if not strays:
                 return
             for p in strays:

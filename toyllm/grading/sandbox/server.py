@@ -42,7 +42,9 @@ import sys
 import threading
 import traceback
 
-from ...supervise import die_with_parent
+from ...supervise import die_with_parent, name_process
+
+NAME = "toyllm-sandbox"        # what ps shows for a sandbox, whether a fresh Python or a zygote's copy
 
 
 def _error(exc: BaseException, files) -> dict:
@@ -219,6 +221,7 @@ def serve() -> None:
     fd, _, parent_pid, limits = sys.argv[1:5]        # argv[2]: the launcher's REFERENCE, no longer used
     memory_mb, cpu_s, file_bytes, nproc = (int(x) for x in limits.split(","))
     die_with_parent()                                               # the grader's test process died: so do we
+    name_process(NAME)
     if os.getppid() != int(parent_pid):
         os._exit(1)
     resource.setrlimit(resource.RLIMIT_AS, (memory_mb * 2**20,) * 2)
