@@ -25,7 +25,6 @@ anything else, so no sandbox can ask for another.
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import random
@@ -39,7 +38,6 @@ try:
 except ImportError:
     import launcher                               # run as a script: its folder is on sys.path; stdlib only
 
-_PR_SET_PDEATHSIG = 1
 SANDBOX_FD = 3                   # where the copy keeps the sandbox's socket (0-2: nothing in, output out)
 
 
@@ -52,7 +50,7 @@ def _become_sandbox(request: dict, sandbox_fd: int, output_fd: int) -> None:
         if time.monotonic() > deadline:
             os._exit(1)
         time.sleep(0.001)
-    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0)   # the grader's test process died: so do we
+    launcher.libc().prctl(launcher._PR_SET_PDEATHSIG, 9, 0, 0, 0)   # the grader's test process died: so do we
     if os.getppid() != parent:
         os._exit(1)
     # Descriptors: high numbers first, so no dup2 overwrites one still needed.
@@ -73,8 +71,8 @@ def _become_sandbox(request: dict, sandbox_fd: int, output_fd: int) -> None:
     main_module = types.ModuleType("__main__")
     main_module.__spec__ = None
     sys.modules["__main__"] = main_module
-    sys.argv = ["launcher.py", str(SANDBOX_FD), *request["argv"]]
-    sys.argv = ["-c", *launcher.main(in_process=True)]      # now the sandbox user, in its namespaces
+    sys.argv = ["launcher.py", str(SANDBOX_FD), *request["argv"]]    # the launcher reads them, as the script does
+    sys.argv = ["-c", *launcher.main(in_process=True)]              # now the sandbox user, in its namespaces
     from toyllm.grading.sandbox.server import serve
 
     serve()
