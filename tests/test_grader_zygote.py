@@ -2,7 +2,9 @@
 
 A zygote imports torch once and forks each sandbox from there. What a copy could inherit is what
 matters: the zygote's control socket (with it a submission could ask for sandboxes of its own), the
-modules it imported, and the state of Python's random numbers. A zygote that dies must not stop a
+modules it imported, and the state of Python's random numbers. What it prepares for every copy (toyllm's
+answer marks, read from toyllm's own source; its objects frozen for the garbage collector) must be what
+the copy would have computed itself. A zygote that dies must not stop a
 grading: the next sandbox starts from a fresh Python, as it did before there was a zygote.
 """
 from __future__ import annotations
@@ -37,6 +39,16 @@ def modules_from(*folders):
 
 def draw():
     return random.random()
+
+
+def marks():
+    from toyllm import answers
+    return sorted(m.spec for m in answers.answer_marks().values())
+
+
+def frozen():
+    import gc
+    return gc.get_freeze_count()
 '''
 
 
@@ -79,6 +91,15 @@ def test_each_forked_sandbox_draws_its_own_random_numbers(sandbox):
     second = _call(sandbox, "draw")
     assert isinstance(sandbox.proc, _Forked)
     assert first != second
+
+
+@pytest.mark.timeout(180)
+def test_a_forked_sandbox_has_the_answer_marks_the_grader_reads_and_skips_the_zygotes_objects(sandbox):
+    """The zygote reads the marks from toyllm's source and freezes what it imported, once for every copy."""
+    from toyllm import answers
+
+    assert _call(sandbox, "marks") == sorted(m.spec for m in answers.answer_marks().values())
+    assert _call(sandbox, "frozen") > 10_000, "torch's objects are frozen: the copy's collections skip them"
 
 
 @pytest.mark.timeout(180)

@@ -16,6 +16,7 @@ from ...supervise import die_with_parent, signal_group
 from ...course import course_root, grading_tests_dir, solutions_dir
 from .outcome import outcome, read_log
 from .report import TestResult, printable
+from .standby import can_fork, fork as fork_standby
 from ..settings import Settings
 
 
@@ -98,7 +99,8 @@ class Standby:
 
     It has imported torch, pytest and the plugin, and has a sandbox warming
     up, before anyone knows what it will grade; it runs once. Its scratch
-    folder (``home``) is its own, removed when it is closed.
+    folder (``home``) is its own, removed when it is closed. It is a copy of
+    this process where that can be (``standby.can_fork``), else a fresh Python.
     """
 
     def __init__(self, settings: dict[str, str]):
@@ -106,9 +108,13 @@ class Standby:
         self.home = Path(tempfile.mkdtemp(prefix="toyllm-standby-"))
         remove_when_gone(self.home)
         env = {**os.environ, **settings, **_FIXED, **Settings(scratch=str(self.home)).to_env()}
-        self.proc = subprocess.Popen([sys.executable, "-m", "toyllm.grading.grader.standby"], cwd=self.home,
-                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
+        if can_fork():
+            self.proc = fork_standby(env, self.home)
+        else:
+            self.proc = subprocess.Popen([sys.executable, "-m", "toyllm.grading.grader.standby"], cwd=self.home,
+                                         env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=die_with_parent)
         atexit.register(self.close)
 
     def fits(self, settings: dict[str, str]) -> bool:
@@ -165,6 +171,8 @@ def run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env:
     if standby is not None and not standby.fits(settings):
         standby.close()
         standby = None
+    if standby is None and can_fork():
+        standby = Standby(settings)         # a copy of this process starts faster than ``python -m pytest``
     if standby is not None:
         proc = standby.claim(cmd[3:], run, tmp, out)
     else:
