@@ -1,16 +1,17 @@
-"""Standbys forked from the grading process are what a fresh Python would be, and grade the same.
+"""Standbys copied from the grading's template are what a fresh Python would be, and grade the same.
 
-Where the grading process runs with Python's hash seed fixed and no other thread (``grade --class``
-starts every student's grading so), it starts each lesson's trusted pytest process as a copy of itself
-(``toyllm.grading.grader.standby.fork``) instead of a fresh Python that imports torch and pytest again.
-What a copy could inherit is what matters here: the grading process's open files and pipes (the
-reaper's, an earlier standby's), its environment, its signal handlers. Elsewhere (a notebook kernel has
-threads; a hash seed left random) the standby is a fresh Python, as before.
+``grade`` on the command line starts one template (``toyllm.grading.sandbox.zygote``: a fresh Python that
+imported torch and toyllm's framework, nothing of the tests) and takes a copy of it for each lesson's
+trusted pytest process (``toyllm.grading.grader.standby.from_template``); the copy forks its lesson's
+sandbox zygote from itself before it loads the grader. What a copy could inherit is what matters: the
+template's control socket (with it a copy could ask for more), the grading process's pipes, its session.
+``grade()`` from Python (a notebook's ``check``) starts a fresh Python, as before.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -22,13 +23,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Grades lesson 01's first exercise with a standby left waiting, then reports on that standby.
+# Grades Exercise 1.1 with a standby left waiting, then reports on that standby.
 SCRIPT = textwrap.dedent("""
     import json, os, signal, sys
+    import psutil
     from toyllm.grading import grade
     from toyllm.grading.grader import run
 
-    def pipes(pid):
+    def open_files(pid):
         found = {}
         for fd in os.listdir(f"/proc/{pid}/fd"):
             try:
@@ -37,29 +39,34 @@ SCRIPT = textwrap.dedent("""
                 pass
         return found
 
-    report = grade("solutions", only="1.1", keep_warm=True)
+    report = grade("solutions", only="1.1", keep_warm=True, template=sys.argv[1] == "template")
     standby = run._standby.proc
-    mine = set(pipes(os.getpid()).values())
-    theirs = pipes(standby.pid)
+    mine = set(open_files(os.getpid()).values())
+    template = run._template.zygote
+    if template is not None:
+        mine |= set(open_files(template.proc.pid).values())
+    me = psutil.Process(standby.pid)
+    children = me.children()
     print(json.dumps({
         "points": [report.score, report.max_score],
         "kind": type(standby).__name__,
         "pid": standby.pid,
-        "shared": sorted(what for fd, what in theirs.items()
+        "template": template.proc.pid if template is not None else None,
+        "shared": sorted(what for fd, what in open_files(standby.pid).items()
                          if what in mine and fd != 0 and what.startswith(("pipe:", "socket:"))),
         "session": os.getsid(standby.pid) == standby.pid,
+        "children": len(children),
+        "children_copies": all(c.cmdline() == me.cmdline() for c in children),
     }), flush=True)
+    if sys.argv[2] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
 """)
 
 
-def _grade_and_report(seed: str | None, kill: bool = False) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-    if seed is not None:
-        env["PYTHONHASHSEED"] = seed
-    script = SCRIPT + ("os.kill(os.getpid(), signal.SIGKILL)\n" if kill else "")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, cwd=ROOT,
-                         env=env)
-    assert out.returncode == (-9 if kill else 0), out.stderr[-3000:]
+def _grade_and_report(how: str, then: str = "exit") -> dict:
+    out = subprocess.run([sys.executable, "-c", SCRIPT, how, then], capture_output=True, text=True, timeout=240,
+                         cwd=ROOT)
+    assert out.returncode == (-signal.SIGKILL if then == "kill" else 0), out.stderr[-3000:]
     return json.loads(out.stdout.splitlines()[-1])
 
 
@@ -74,29 +81,32 @@ def _gone(pid: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_with_a_fixed_hash_seed_the_standby_is_a_copy_that_shares_nothing_open():
-    found = _grade_and_report("0")
-    assert found["kind"] == "Forked", "a grading with PYTHONHASHSEED=0 forks its standbys"
+def test_a_standby_copied_from_the_template_shares_nothing_open_and_forks_its_own_zygote():
+    found = _grade_and_report("template")
+    assert found["kind"] == "_Forked", "grade(template=True) takes its standbys from the template"
     assert found["points"][0] == found["points"][1] > 0, found
-    # Only its request pipe (descriptor 0) leads back to the grader: no reaper's pipe, no earlier standby's,
-    # no socket of the grader's.
+    # Only its request pipe (descriptor 0) leads back: no pipe of the grading process, not the template's socket.
     assert found["shared"] == [], found
     assert found["session"], "the copy leads its own session, so ending its group ends all it started"
-    assert _gone(found["pid"]), "the standby nobody claimed must end with its grader"
+    # Its children (its lesson's zygote, and the sandbox started ahead) are copies too, none a fresh Python:
+    # each runs the command line the template was started with.
+    assert found["children"] >= 1 and found["children_copies"], found
+    assert _gone(found["pid"]) and _gone(found["template"]), "both end with the grading that started them"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_random_hash_seed_gets_a_fresh_python_and_the_same_points():
-    found = _grade_and_report(None)
-    assert found["kind"] == "Popen", "a hash seed left random cannot be fixed in a copy: a fresh Python"
+def test_without_the_template_a_standby_is_a_fresh_python_and_grades_the_same():
+    found = _grade_and_report("fresh")
+    assert found["kind"] == "Popen" and found["template"] is None
+    assert found["children"] >= 1 and not found["children_copies"], found
     assert found["points"][0] == found["points"][1] > 0, found
     assert _gone(found["pid"])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_forked_standby_dies_with_a_killed_grader():
-    found = _grade_and_report("0", kill=True)
-    assert found["kind"] == "Forked"
-    assert _gone(found["pid"]), "SIGKILL runs no clean-up: the copy must end on its own (PR_SET_PDEATHSIG)"
+def test_a_copied_standby_and_its_template_die_with_a_killed_grader():
+    found = _grade_and_report("template", then="kill")
+    assert found["kind"] == "_Forked"
+    assert _gone(found["pid"]) and _gone(found["template"]), "SIGKILL runs no clean-up: they must end on their own"

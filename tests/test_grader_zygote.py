@@ -58,7 +58,7 @@ def sandbox(tmp_path, monkeypatch):
     submission.mkdir()
     (submission / "ex01_naive_generation.py").write_text(PROBES)
     monkeypatch.setenv(Settings.variable("impl"), str(submission))
-    monkeypatch.setattr(process, "_zygote_failed", False)
+    monkeypatch.setattr(process.zygotes, "failed", False)
     box = Sandbox(memory_mb=4096)
     yield box
     box.close()
@@ -105,8 +105,8 @@ def test_a_forked_sandbox_has_the_answer_marks_the_grader_reads_and_skips_the_zy
 @pytest.mark.timeout(180)
 def test_a_zygote_that_died_gives_way_to_a_fresh_python(sandbox):
     assert _call(sandbox, "draw") is not None and isinstance(sandbox.proc, _Forked)
-    process._zygote.proc.kill()
-    process._zygote.proc.wait()
+    process.zygotes.zygote.proc.kill()
+    process.zygotes.zygote.proc.wait()
     sandbox.kill()
     assert isinstance(_call(sandbox, "draw"), float)
-    assert not isinstance(sandbox.proc, _Forked) and process._zygote is None and process._zygote_failed
+    assert not isinstance(sandbox.proc, _Forked) and process.zygotes.zygote is None and process.zygotes.failed

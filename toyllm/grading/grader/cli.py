@@ -90,7 +90,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         report = grade(args.impl, only=only, extra_tests=args.extra_tests, results_path=args.results,
-                       per_test_timeout_s=args.timeout, verbose=True, memory_limit_mb=args.memory_mb)
+                       per_test_timeout_s=args.timeout, verbose=True, memory_limit_mb=args.memory_mb,
+                       template=True)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

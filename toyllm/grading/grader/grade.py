@@ -29,7 +29,7 @@ from ..sandbox.submission import read_submission
 def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = None,
           extra_tests: str | os.PathLike | None = None, results_path: str | os.PathLike | None = None,
           per_test_timeout_s: float = 20, verbose: bool = False,
-          memory_limit_mb: int = DEFAULT_MEMORY_MB, keep_warm: bool = False) -> GradeReport:
+          memory_limit_mb: int = DEFAULT_MEMORY_MB, keep_warm: bool = False, template: bool = False) -> GradeReport:
     """Run the graded tests against ``impl`` and score them.
 
     impl: "exercises", "solutions" or a folder with a student's exNN_*.py files.
@@ -43,6 +43,12 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
     memory_limit_mb: address-space limit of the submission's process (MiB).
     keep_warm: leave a trusted pytest process with a sandbox ready for the
       next call (what ``check()`` does, so checking again is quick).
+    template: start each lesson's trusted pytest process, and its sandboxes,
+      as copies of one process that imported torch once for the whole
+      grading (``standby.from_template``), not a fresh Python each. This
+      process becomes a child subreaper (what is orphaned below it comes
+      back to it), so it suits a process that grades and ends, as
+      ``python -m toyllm grade`` does.
 
     One pytest subprocess per lesson, one sandbox process for the
     submission beside it. A test whose call crashed the submission's process
@@ -90,7 +96,7 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
         tmp = Path(tmp)
         private_local, private_extra = private_copy_of_tests(tmp, extra_dir)
         settings = dict(impl_env=impl_env, timeout_s=per_test_timeout_s, tmp=tmp, memory_mb=memory_limit_mb,
-                        extra_dir_original=extra_dir)
+                        extra_dir_original=extra_dir, template=template)
         while pending:
             lesson = pending.pop(0)
             files = [private_local / local[lesson].name] if lesson in local else []

@@ -356,10 +356,7 @@ def grade_one(sub: Submission, work: Path, results: Path, options: Options, stop
     log = work / "output.txt"
     with open(log, "wb") as out:
         # Its own session: Ctrl-C reaches it through _stop only; it gets SIGTERM if the class grader is killed.
-        # Python's hash seed fixed, as in the trusted pytest processes: the grading can then start those
-        # as copies of itself (``standby.fork``), without a fresh Python's imports for every lesson.
         proc = subprocess.Popen(_command(staged, results, options), cwd=course_root(), stdin=subprocess.DEVNULL,
-                                env={**os.environ, "PYTHONHASHSEED": "0"},
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=lambda: die_with_parent(signal.SIGTERM))
     deadline = time.monotonic() + options.student_timeout_s

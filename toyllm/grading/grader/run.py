@@ -12,11 +12,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from ...supervise import die_with_parent, signal_group
+from ...supervise import become_subreaper, die_with_parent, signal_group
 from ...course import course_root, grading_tests_dir, solutions_dir
 from .outcome import outcome, read_log
 from .report import TestResult, printable
-from .standby import can_fork, fork as fork_standby
+from ..sandbox.process import Zygote, ZygoteSlot
 from ..settings import Settings
 
 
@@ -100,17 +100,23 @@ class Standby:
     It has imported torch, pytest and the plugin, and has a sandbox warming
     up, before anyone knows what it will grade; it runs once. Its scratch
     folder (``home``) is its own, removed when it is closed. It is a copy of
-    this process where that can be (``standby.can_fork``), else a fresh Python.
+    the grading's template where ``template`` says so and one can run
+    (``standby.from_template``), else a fresh Python.
     """
 
-    def __init__(self, settings: dict[str, str]):
+    def __init__(self, settings: dict[str, str], template: bool = False):
         self.settings = settings
         self.home = Path(tempfile.mkdtemp(prefix="toyllm-standby-"))
         remove_when_gone(self.home)
         env = {**os.environ, **settings, **_FIXED, **Settings(scratch=str(self.home)).to_env()}
-        if can_fork():
-            self.proc = fork_standby(env, self.home)
-        else:
+        # The interpreter's own settings (the hash seed) are fixed when it starts: the trusted processes' own.
+        zygote = _template.get(lambda: Zygote.start({**os.environ, **_FIXED})) \
+            if template and become_subreaper() else None
+        self.proc = zygote and zygote.launch_module("toyllm.grading.grader.standby", ["--from-template"], env,
+                                                    self.home)
+        if zygote is not None and self.proc is None:
+            _template.end(failed=True)
+        if self.proc is None:
             self.proc = subprocess.Popen([sys.executable, "-m", "toyllm.grading.grader.standby"], cwd=self.home,
                                          env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                          stderr=subprocess.DEVNULL, start_new_session=True,
@@ -136,23 +142,29 @@ class Standby:
 
 
 _standby: Standby | None = None
+# The grading's template, which standbys are forked from (``Zygote.start``, once); its copies are re-parented to
+# this process, so it must be a child subreaper.
+_template = ZygoteSlot()
 
 
 def close_standby() -> None:
-    """End the standby pytest process, if one is waiting."""
+    """End the standby pytest process, if one is waiting, and the template it came from."""
     global _standby
     if _standby is not None:
         _standby.close()
         _standby = None
+    _template.end()
 
 
 def run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env: str, timeout_s: float,
                 tmp: Path, memory_mb: int, exercises: set[str] | None = None,
-                extra_dir_original: Path | None = None, warm: bool = False) -> tuple[list[TestResult], set[int]]:
+                extra_dir_original: Path | None = None, warm: bool = False,
+                template: bool = False) -> tuple[list[TestResult], set[int]]:
     """One pytest process for one lesson; returns its results and every lesson its collection saw.
 
     warm: start a standby pytest process for the next lesson or check while this one runs (and use
     the one a previous call started, if its settings fit).
+    template: start each as a copy of the grading's template (``standby.from_template``).
     """
     log = tmp / f"ex{lesson:02d}.jsonl"
     out = tmp / f"ex{lesson:02d}.out"
@@ -171,8 +183,8 @@ def run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env:
     if standby is not None and not standby.fits(settings):
         standby.close()
         standby = None
-    if standby is None and can_fork():
-        standby = Standby(settings)         # a copy of this process starts faster than ``python -m pytest``
+    if standby is None and template:
+        standby = Standby(settings, template)      # a copy of the template starts faster than ``python -m pytest``
     if standby is not None:
         proc = standby.claim(cmd[3:], run, tmp, out)
     else:
@@ -182,7 +194,7 @@ def run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env:
                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
     try:
         if warm:                       # the next lesson or check finds Python, torch and a sandbox ready
-            _standby = Standby(settings)
+            _standby = Standby(settings, template)
         # Tests that start worker processes carry their own, longer timeout marks: give them room.
         stalled = _watch(proc, log, timeout_s + 90)
     except BaseException:          # Ctrl-C or SIGTERM to the grader: end the test process group too

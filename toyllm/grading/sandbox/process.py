@@ -53,7 +53,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import BinaryIO, NamedTuple
+from typing import BinaryIO, Callable, NamedTuple
 
 from . import guard
 from ... import course
@@ -162,54 +162,97 @@ def isolation() -> str:
 
 
 class _Forked:
-    """A sandbox process the zygote forked, as far as ``Sandbox`` uses ``subprocess.Popen``: it was re-parented
+    """A process a zygote forked, as far as ``Sandbox`` and the grader use ``subprocess.Popen``: it was re-parented
     to this process (a child subreaper), so this process waits for it like for a child of its own."""
 
-    def __init__(self, pid: int):
-        self.pid, self.returncode = pid, None
-
-    def _reap(self, flags: int) -> int | None:
-        if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, flags)
-            except ChildProcessError:          # reaped elsewhere: it is gone, how is unknown
-                self.returncode = 1
-                return self.returncode
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
+    def __init__(self, pid: int, stdin: BinaryIO | None = None):
+        self.pid, self.stdin, self.returncode = pid, stdin, None
 
     def poll(self) -> int | None:
-        return self._reap(os.WNOHANG)
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:          # reaped elsewhere: it is gone, how is unknown
+                self.returncode = 1
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
 
-    def wait(self) -> int:
-        return self._reap(0)
+    def wait(self, timeout: float | None = None) -> int:
+        """Its exit code, once it has ended; ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
+        if timeout is None:
+            while self.returncode is None:
+                try:
+                    _, status = os.waitpid(self.pid, 0)
+                    self.returncode = os.waitstatus_to_exitcode(status)
+                except ChildProcessError:
+                    self.returncode = 1
+                except InterruptedError:
+                    pass
+            return self.returncode
+        deadline, pause = time.monotonic() + timeout, 0.0005
+        while self.poll() is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(f"process {self.pid}", timeout)
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.05)
+        return self.returncode
 
 
 class Zygote:
-    """A process that has imported torch and forks each new sandbox (``zygote``): a sandbox starts without
-    importing torch again (about 1.5 CPU-seconds each on the course's reference machine). One per grading process,
-    started with the sandbox's base environment; ``launch`` returns None where it cannot serve (then
-    ``Sandbox`` starts the launcher script as before)."""
+    """A process that has imported torch and toyllm's framework and forks copies of itself (``zygote``): each
+    sandbox, and, as a grading's *template*, each lesson's trusted pytest process, starts without importing
+    torch again (about 1.5 CPU-seconds each on the course's reference machine). ``start`` runs a fresh Python;
+    ``fork`` forks this process (a standby does, before it loads anything of the grader); ``launch`` and
+    ``launch_module`` return None where it cannot serve (then the caller starts a fresh Python as before)."""
 
     READY_TIMEOUT_S = 120          # its import of torch, on a busy machine
     REPLY_TIMEOUT_S = 30           # one fork
 
-    def __init__(self, env: dict[str, str]):
-        self.control, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("zygote.py")),
-                                          str(child.fileno())], env=env, pass_fds=(child.fileno(),),
-                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=die_with_parent)
-        finally:
-            child.close()
+    def __init__(self, proc: subprocess.Popen | _Forked, control: socket.socket):
+        self.proc, self.control = proc, control
         self.ready = False
 
-    def launch(self, argv: list[str], env: dict[str, str], cwd: Path, fds: tuple[int, int]) -> _Forked | None:
-        """Fork a sandbox running ``launcher.py FD *argv`` with ``env`` in ``cwd``; ``fds``: its socket and the
-        file for its output. None if the zygote failed (it is then ended)."""
+    @classmethod
+    def start(cls, env: dict[str, str]) -> "Zygote":
+        """A zygote in a fresh Python with ``env``."""
+        control, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("zygote.py")), str(child.fileno())],
+                                    env=env, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                    preexec_fn=die_with_parent)
+        finally:
+            child.close()
+        return cls(proc, control)
+
+    @classmethod
+    def fork(cls) -> "Zygote":
+        """A zygote forked from this process, which must hold what ``zygote.load`` loads and nothing it must not
+        hand on (a standby, before it loads the grader): its own session, nothing open but its control socket."""
+        from . import zygote
+
+        control, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setsid()
+                die_with_parent()
+                fd = os.dup2(child.fileno(), 3, inheritable=False)
+                null = os.open(os.devnull, os.O_RDWR)
+                for target in (0, 1, 2):
+                    os.dup2(null, target)
+                os.closerange(4, os.sysconf("SC_OPEN_MAX"))
+                zygote.serve(socket.socket(fileno=fd))
+            finally:
+                os._exit(0)
+        child.close()
+        return cls(_Forked(pid), control)
+
+    def _request(self, request: dict, fds: list[int]) -> int | None:
+        """Send one request; the pid of the copy, or None if the zygote failed (the caller ends it)."""
         try:
             if not self.ready:
                 self.control.settimeout(self.READY_TIMEOUT_S)
@@ -217,15 +260,33 @@ class Zygote:
                 if not self.ready:
                     raise ConnectionError("the zygote ended before it was ready")
             self.control.settimeout(self.REPLY_TIMEOUT_S)
-            request = {"argv": argv, "env": env, "cwd": str(cwd), "parent": os.getpid()}
-            socket.send_fds(self.control, [json.dumps(request).encode()], list(fds))
+            socket.send_fds(self.control, [json.dumps({**request, "parent": os.getpid()}).encode()], fds)
             reply = json.loads(self.control.recv(4096) or b"{}")
             if not reply.get("pid"):
                 raise ConnectionError(reply.get("error", "no reply"))
-            return _Forked(reply["pid"])
+            return reply["pid"]
         except (OSError, ValueError):
-            self.close()
             return None
+
+    def launch(self, argv: list[str], env: dict[str, str], cwd: Path, fds: tuple[int, int]) -> _Forked | None:
+        """Fork a sandbox running ``launcher.py FD *argv`` with ``env`` in ``cwd``; ``fds``: its socket and the
+        file for its output. None if the zygote failed."""
+        pid = self._request({"role": "sandbox", "argv": argv, "env": env, "cwd": str(cwd)}, list(fds))
+        return None if pid is None else _Forked(pid)
+
+    def launch_module(self, module: str, args: list[str], env: dict[str, str], cwd: Path) -> _Forked | None:
+        """Fork a copy that runs ``python -m module *args`` with ``env`` in ``cwd`` (as the grader's user, no
+        namespaces: for trusted code only); its ``stdin`` is a pipe to its standard input. None if the zygote failed."""
+        r, w = os.pipe()
+        try:
+            pid = self._request({"role": "module", "module": module, "args": args, "env": env, "cwd": str(cwd),
+                                 "path0": str(cwd)}, [r])
+        finally:
+            os.close(r)
+        if pid is None:
+            os.close(w)
+            return None
+        return _Forked(pid, os.fdopen(w, "wb"))
 
     def close(self) -> None:
         self.control.close()
@@ -233,25 +294,33 @@ class Zygote:
         self.proc.wait()
 
 
-_zygote: Zygote | None = None
-_zygote_failed = False
+class ZygoteSlot:
+    """Where this process keeps one zygote of its own: started on first use (``get``), ended on request; one
+    that failed is not started again, and the caller starts a fresh Python instead, as before zygotes."""
+
+    def __init__(self):
+        self.zygote: Zygote | None = None
+        self.failed = False
+
+    def get(self, start: Callable[[], Zygote]) -> Zygote | None:
+        if self.zygote is None and not self.failed:
+            self.zygote = start()
+        return self.zygote
+
+    def use(self, zygote: Zygote) -> None:
+        """Keep ``zygote`` from now on (a standby's own, ``Zygote.fork``)."""
+        self.end()
+        self.zygote = zygote
+
+    def end(self, failed: bool = False) -> None:
+        if self.zygote is not None:
+            zygote, self.zygote = self.zygote, None
+            zygote.close()
+        self.failed = self.failed or failed
 
 
-def _get_zygote(env: dict[str, str]) -> Zygote | None:
-    """This process's zygote, started on first use with ``env`` (the parts all sandboxes share); None where
-    it cannot be used (no child subreaper to re-parent its sandboxes to, or it failed once)."""
-    global _zygote
-    if _zygote is None and not _zygote_failed and become_subreaper():
-        _zygote = Zygote(env)
-    return _zygote
-
-
-def _end_zygote(failed: bool = False) -> None:
-    global _zygote, _zygote_failed
-    if _zygote is not None:
-        zygote, _zygote = _zygote, None
-        zygote.close()
-    _zygote_failed = _zygote_failed or failed
+# This process's sandboxes come from here; they are re-parented to this process (a child subreaper).
+zygotes = ZygoteSlot()
 
 
 class _Launched(NamedTuple):
@@ -305,7 +374,7 @@ class Sandbox:
         user = f"{self.user[0]},{self.user[1]}" if self.user else "-"
         hide = os.pathsep.join(str(p) for p in self.hide)
         args = [str(scratch / "reference"), str(os.getpid()), limits, user, hide]
-        _become_subreaper()
+        subreaper = become_subreaper()          # orphans below come back here: the zygote's copies too
         # Fresh descriptors for the sandbox's output: a write-only one on a file of the grader's (mode 0600),
         # never the trusted test process's own stdout and stderr, where pytest captures what a test printed.
         fd, path = tempfile.mkstemp(prefix="toyllm-sandbox-", suffix=".out")
@@ -314,10 +383,11 @@ class Sandbox:
         os.unlink(path)
         try:
             # The zygote shares what no sandbox changes: everything but the scratch folder's paths.
-            zygote = _get_zygote({k: v for k, v in env.items() if str(scratch) not in v})
+            shared = {k: v for k, v in env.items() if str(scratch) not in v}
+            zygote = zygotes.get(lambda: Zygote.start(shared)) if subreaper else None
             proc = zygote and zygote.launch(args, env, scratch, (child.fileno(), write_only))
             if zygote is not None and proc is None:
-                _end_zygote(failed=True)
+                zygotes.end(failed=True)
             if proc is None:
                 proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("launcher.py")),
                                          str(child.fileno()), *args], cwd=scratch, env=env,
@@ -380,7 +450,7 @@ class Sandbox:
         if self._spare is not None:
             spare, self._spare = self._spare, None
             self._end(spare)
-        _end_zygote()
+        zygotes.end()
 
     def kill(self) -> None:
         """End the sandbox and every process it started, however they detached."""
@@ -412,7 +482,7 @@ class Sandbox:
         import psutil
 
         for _ in range(5):                 # orphans keep arriving while their parents die
-            zygote = {_zygote.proc.pid} if _zygote is not None else set()
+            zygote = {zygotes.zygote.proc.pid} if zygotes.zygote is not None else set()
             strays = [p for p in _children() if p.pid not in self._others | zygote and not self._in_spare(p.pid)]
             if not strays:
                 return
@@ -564,10 +634,6 @@ def _children():
     except psutil.Error:
         return []
 
-
-def _become_subreaper() -> None:
-    """Orphaned descendants come back to this process instead of init, so they can be ended."""
-    become_subreaper()
 
 
 def _answer_callback(request: dict, callbacks: dict) -> dict:
