@@ -1,9 +1,10 @@
-"""How long a class takes to grade: the figures of docs/grading.md's "Grading a class", measured in one run.
+"""How long a class takes to grade: the figures of docs/grading.md's "How long a class takes", measured in one run.
 
     python -m toyllm.grading.grader.class_timing [--students 20] [--ratio-students 4] [--rounds 5]
 
 1. A class of ``--students`` copies of the model answers of lessons 01-03, graded by ``grade --class``
-   at the default ``--jobs``: seconds per student and lesson (the wall time over students x 3).
+   at the default ``--jobs``: seconds per student and lesson (the wall time over students x 3), and the
+   machine's CPU-seconds per student (cores busy on average x the wall time, over the students).
 2. A class of ``--ratio-students`` graded with ``--jobs 1`` and with ``--jobs 2``, in turns (1, 2, 1,
    2, ...) so a slow spell of the machine hits both: each as median [lowest-highest run] in seconds,
    the ratio of the medians, the lowest and highest ratio of the rounds, and the verdict on the target
@@ -85,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
         whole, cores = _grade(_class(tmp / "class", args.students), jobs)
         per = whole / (args.students * len(LESSONS))
         print(f"{args.students} students x lessons 01-03 at --jobs {jobs}: {whole:.1f} s, {per:.2f} s per student "
-              f"and lesson; {cores:.2f} cores busy on average", flush=True)
+              f"and lesson; {cores:.2f} cores busy on average, so {cores * whole / args.students:.1f} CPU-seconds "
+              f"per student", flush=True)
         small = _class(tmp / "small", args.ratio_students)
         one, two, busy_one, busy_two = [], [], [], []
         for i in range(args.rounds):
