@@ -50,6 +50,7 @@ SCRIPT = textwrap.dedent("""
     print(json.dumps({
         "points": [report.score, report.max_score],
         "kind": type(standby).__name__,
+        "name": me.name(),
         "pid": standby.pid,
         "template": template.proc.pid if template is not None else None,
         "shared": sorted(what for fd, what in open_files(standby.pid).items()
@@ -84,6 +85,7 @@ def _gone(pid: int) -> bool:
 def test_a_standby_copied_from_the_template_shares_nothing_open_and_forks_its_own_zygote():
     found = _grade_and_report("template")
     assert found["kind"] == "_Forked", "grade(template=True) takes its standbys from the template"
+    assert found["name"] == "toyllm-lesson", "ps shows what the copy is (its command line is the template's)"
     assert found["points"][0] == found["points"][1] > 0, found
     # Only its request pipe (descriptor 0) leads back: no pipe of the grading process, not the template's socket.
     assert found["shared"] == [], found

@@ -16,8 +16,8 @@ It starts one of two ways:
   (``toyllm.grading.sandbox.zygote``) that the grading process started
   once, which imported torch and toyllm's framework and nothing of the
   tests. The copy first forks its own zygote for its lesson's sandboxes,
-  while it holds no more than the template did, and only then loads the
-  grader. So a lesson costs neither a Python that imports torch and
+  before it imports pytest or learns what it will grade, and only then
+  loads the rest. So a lesson costs neither a Python that imports torch and
   pytest, nor a zygote that imports torch again (about 2.5 CPU-seconds a
   lesson on the course's reference machine). ``grade`` on the command
   line grades so (``grade(template=True)``); the copy runs
@@ -31,6 +31,8 @@ import json
 import os
 import sys
 from typing import BinaryIO, NoReturn
+
+NAME = "toyllm-lesson"        # what ps -o comm shows for a copy of the template (its command line is the template's)
 
 
 def load() -> None:
@@ -74,10 +76,12 @@ def serve(requests: BinaryIO) -> NoReturn:
 
 
 def from_template() -> NoReturn:
-    """In a copy of the template: this lesson's zygote, forked while this process holds only what the template
-    loaded, then the standby."""
+    """In a copy of the template: this lesson's zygote, forked before this process imports pytest or learns what
+    it will grade, then the standby."""
+    from ...supervise import name_process
     from ..sandbox import process as sandbox
 
+    name_process(NAME)
     sandbox.zygotes.use(sandbox.Zygote.fork())
     load()
     serve(sys.stdin.buffer)

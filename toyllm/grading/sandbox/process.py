@@ -168,29 +168,24 @@ class _Forked:
     def __init__(self, pid: int, stdin: BinaryIO | None = None):
         self.pid, self.stdin, self.returncode = pid, stdin, None
 
-    def poll(self) -> int | None:
+    def _reap(self, flags: int) -> int | None:
         if self.returncode is None:
             try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                pid, status = os.waitpid(self.pid, flags)
             except ChildProcessError:          # reaped elsewhere: it is gone, how is unknown
                 self.returncode = 1
-            else:
-                if pid:
-                    self.returncode = os.waitstatus_to_exitcode(status)
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
+
+    def poll(self) -> int | None:
+        return self._reap(os.WNOHANG)
 
     def wait(self, timeout: float | None = None) -> int:
         """Its exit code, once it has ended; ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
         if timeout is None:
-            while self.returncode is None:
-                try:
-                    _, status = os.waitpid(self.pid, 0)
-                    self.returncode = os.waitstatus_to_exitcode(status)
-                except ChildProcessError:
-                    self.returncode = 1
-                except InterruptedError:
-                    pass
-            return self.returncode
+            return self._reap(0)
         deadline, pause = time.monotonic() + timeout, 0.0005
         while self.poll() is None:
             left = deadline - time.monotonic()
@@ -205,7 +200,7 @@ class Zygote:
     """A process that has imported torch and toyllm's framework and forks copies of itself (``zygote``): each
     sandbox, and, as a grading's *template*, each lesson's trusted pytest process, starts without importing
     torch again (about 1.5 CPU-seconds each on the course's reference machine). ``start`` runs a fresh Python;
-    ``fork`` forks this process (a standby does, before it loads anything of the grader); ``launch`` and
+    ``fork`` forks this process (a standby does, before it imports pytest); ``launch`` and
     ``launch_module`` return None where it cannot serve (then the caller starts a fresh Python as before)."""
 
     READY_TIMEOUT_S = 120          # its import of torch, on a busy machine
@@ -231,7 +226,8 @@ class Zygote:
     @classmethod
     def fork(cls) -> "Zygote":
         """A zygote forked from this process, which must hold what ``zygote.load`` loads and nothing it must not
-        hand on (a standby, before it loads the grader): its own session, nothing open but its control socket."""
+        hand on (a standby, before it imports pytest or learns what it will grade): its own session, nothing open
+        but its control socket."""
         from . import zygote
 
         control, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
