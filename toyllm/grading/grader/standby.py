@@ -80,9 +80,10 @@ def from_template() -> NoReturn:
     it will grade, then the standby."""
     from ...supervise import name_process
     from ..sandbox import process as sandbox
+    from ..sandbox import zygote
 
     name_process(NAME)
-    sandbox.zygotes.use(sandbox.Zygote.fork())
+    sandbox.zygotes.use(sandbox.Zygote.fork(zygote.serve))
     load()
     serve(sys.stdin.buffer)
 

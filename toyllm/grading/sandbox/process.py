@@ -224,12 +224,10 @@ class Zygote:
         return cls(proc, control)
 
     @classmethod
-    def fork(cls) -> "Zygote":
+    def fork(cls, serve: Callable[[socket.socket], None]) -> "Zygote":
         """A zygote forked from this process, which must hold what ``zygote.load`` loads and nothing it must not
         hand on (a standby, before it imports pytest or learns what it will grade): its own session, nothing open
-        but its control socket."""
-        from . import zygote
-
+        but its control socket, on which it runs ``serve`` (``zygote.serve``)."""
         control, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pid = os.fork()
         if pid == 0:
@@ -241,7 +239,7 @@ class Zygote:
                 for target in (0, 1, 2):
                     os.dup2(null, target)
                 os.closerange(4, os.sysconf("SC_OPEN_MAX"))
-                zygote.serve(socket.socket(fileno=fd))
+                serve(socket.socket(fileno=fd))
             finally:
                 os._exit(0)
         child.close()
