@@ -34,18 +34,17 @@ import ast
 import functools
 import os
 import re
-import sys
 import time
-import types
 from dataclasses import dataclass
 from pathlib import Path
 
-from .course import (ANSWERS_ENV, COURSE_ENV, GRADED_TESTS_RUN, IMPL_ENV, SANDBOX_ENV,  # noqa: F401
+from .course import (ANSWERS_ENV, COURSE_ENV, IMPL_ENV, SANDBOX_ENV,  # noqa: F401
                      file_stamp, lesson_module, load_exercise, solutions_dir)
-from .stubs import exercise_functions, model_answer_source, stub_exercises
+from .stubs import stub_exercises
 
 # Which implementation the marked functions call: "instructor" runs the model answers of solutions/,
-# "student" the student's exercises/ (the student edition's builder rewrites this line).
+# "student" the implementation being run, the student's exercises/ (the student edition's builder rewrites
+# this line; the grader's sandbox switches to it in either edition, ``run_submission``).
 EDITION = "instructor"
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -137,8 +136,10 @@ _found: dict[tuple, list] = {}     # choice -> [file, its stamp, the function, t
 RECHECK_S = 0.1
 
 
-# Every exercise ``exercise`` was asked for since this set was last cleared: in the student edition a graded
-# test that fails names those of them that fail their own tests (``toyllm.grading.expect.neighbours_note``).
+# Every exercise ``exercise`` handed work to (found written) since this set was last cleared: a graded test that
+# fails under the grader, or in the student edition, names those of them that fail their own tests
+# (``toyllm.grading.expect.neighbours_note``). An unwritten one is not here: its error names it, or a stand-in
+# that is no answer ran in its place (PyTorch's fused kernel for 2.1).
 ran: set[str] = set()
 
 
@@ -150,15 +151,13 @@ def exercise(number: str):
     function found once is kept while its file is unchanged: the file's
     stamp (one ``stat``) is read again at most every ``RECHECK_S`` seconds.
     """
-    ran.add(number)
-    if _given is not None:
-        return _given_answer(number)
     choice = (number, EDITION, os.getcwd(), *(os.environ.get(name) for name in _CHOICE_ENV))
     known = _found.get(choice)
     if known is not None:
         path, stamp, fn, checked = known
         now = time.monotonic()
         if now - checked < RECHECK_S:
+            ran.add(number)
             return fn
         try:
             same = file_stamp(path) == stamp
@@ -166,11 +165,13 @@ def exercise(number: str):
             same = False
         if same:
             known[3] = now
+            ran.add(number)
             return fn
     module, fn = _find(number)
     path = getattr(module, "__file__", None)           # None: the grader's proxy, asked every time
     if path is not None:
         _found[choice] = [path, file_stamp(path), fn, time.monotonic()]
+    ran.add(number)
     return fn
 
 
@@ -227,68 +228,23 @@ def _not_written(number: str, feature: str, name: str, module) -> str:
     return f"{feature} needs Exercise {number}: write {name} in {shown}"
 
 
-# --------------------------------------------------------------------------- model answers handed over as text
+# --------------------------------------------------------------------------- the grader's sandbox
 
-# In the grader's sandbox, and in the engine's workers it starts, the model answers a graded exercise may use
-# arrive as text (``give``) and are compiled from memory: no file holds them, so submitted code can neither open
-# one nor read it back with ``inspect.getsource``. Only these answer ``exercise`` there.
-_given: dict[str, tuple[types.ModuleType, frozenset[str]]] | None = None   # "ex05" -> (module, its stubbed exercises)
-_given_sources: dict[str, str] = {}           # file name ("ex05_kv_runahead.py") -> the text given
-_GIVEN_PREFIX = "_toyllm_given_"              # the modules' names in sys.modules (dataclasses and the guard need one)
+def run_submission() -> None:
+    """From now on the marked functions call the implementation being run (``$TOYLLM_IMPL``), in either edition.
 
-
-def give(sources: dict[str, str]) -> None:
-    """From now on, ``exercise`` runs these model answers and no others: {"ex05_kv_runahead.py": text}.
-
-    Each text (a solution file with the answers left out stubbed, ``make_stub(only=...)``) is compiled from
-    memory under a name that is no file, and is not put in ``linecache``. Called once per process (the grader's
-    sandbox, then each engine worker).
+    The grader's sandbox calls it before any submitted code runs, and so does
+    every engine worker it starts: there a graded test that runs the
+    framework through another exercise (the paged cache's 8.2 in a test of
+    8.1, the ring's merge 9.1 in a test of 9.3) runs the submission's own
+    answer to it, as in the student edition, and no model answer is in the
+    process at all, as text or as code. Where that answer is unwritten, a
+    stand-in that is no answer runs if the library has one (PyTorch's fused
+    kernel for 2.1); otherwise ``ExerciseNotWritten`` names the exercise.
     """
-    global _given
-    given = {}
-    for filename, text in sources.items():
-        stem = filename.removesuffix(".py")
-        module = types.ModuleType(_GIVEN_PREFIX + stem)
-        sys.modules[module.__name__] = module
-        exec(compile(text, f"<model answer {stem}>", "exec"), module.__dict__)
-        module.__toyllm_source__ = text           # what stubs.model_answer_source reads back
-        given[stem[:4]] = (module, frozenset(stub_exercises(text)))
-    _given_sources.update(sources)
-    _given = given
-
-
-def given_sources() -> dict[str, str] | None:
-    """What ``give`` was handed in this process, to hand on to the engine's workers; None outside the sandbox."""
-    return None if _given is None else dict(_given_sources)
-
-
-def given_module(name: str) -> types.ModuleType | None:
-    """The given model answers of lesson ``name`` ("ex05" or "ex05_kv_runahead"), or None."""
-    module, _ = (_given or {}).get(name[:4], (None, None))
-    return module
-
-
-def _given_answer(number: str):
-    feature, name = _entry(number)
-    module, stubbed = (_given or {}).get(lesson_module(number), (None, frozenset({number})))
-    if number in stubbed:
-        raise ExerciseNotWritten(f"toyllm's {name} runs Exercise {number}, whose model answer the grader leaves out "
-                                 f"while it grades this exercise: call your own code instead")
-    return getattr(module, name)
-
-
-def forbidden_given(number: str, neighbours=()) -> list[str]:
-    """The given model answers that could do Exercise ``number``'s work, as "module:function" specs: those of the
-    exercises whose marks say ``also=(number,)``, except ``neighbours`` (what ``number``'s own model answer calls,
-    which a submission may reach through its own functions of them)."""
-    marks = answer_marks()
-    specs = []
-    for module, _ in (_given or {}).values():
-        for other, names in exercise_functions(model_answer_source(module)).items():
-            mark = marks.get(other)
-            if other not in neighbours and mark is not None and number in mark.exercises[1:]:
-                specs += [f"{module.__name__}:{name}" for name in names]
-    return sorted(specs)
+    global EDITION
+    EDITION = "student"
+    _found.clear()
 
 
 def written(number: str) -> bool:

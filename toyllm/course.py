@@ -125,16 +125,6 @@ def lesson_module(number: str) -> str:
     return f"ex{int(number.split('.')[0]):02d}"
 
 
-# The exercises each lesson's graded tests run through toyllm's marked functions where the submission runs (the
-# model's dense attention, the paged cache's steps, whatever the graded exercise): the grader's sandbox holds
-# these model answers, and beyond them only those the graded exercise's own model answer calls
-# (``sandbox.model_answers_for``). A missing entry fails the model answers' own tests there.
-GRADED_TESTS_RUN: dict[str, tuple[str, ...]] = {
-    "ex01": ("2.1",), "ex02": ("2.1",), "ex04": ("2.1",), "ex05": ("2.1",), "ex08": ("2.1", "8.1", "8.2"),
-    "ex09": ("2.1", "9.1", "9.2"),
-}
-
-
 # --------------------------------------------------------------------------- loading an implementation
 
 SANDBOX_ENV = "TOYLLM_GRADE_SANDBOX"     # "1" in the grader's pytest processes: exercises run in its sandbox

@@ -33,7 +33,7 @@ HINT_LEVELS = ("idea", "code")
 _DEF = re.compile(r"^(?P<indent>[ \t]*)(?:async )?def (?P<name>\w+)\s*\(")
 
 
-def make_stub(source: str, hints: str = "idea", only: set[str] | None = None) -> str:
+def make_stub(source: str, hints: str = "idea") -> str:
     """The exercise version of a solution file: each marked model answer becomes a NotImplementedError.
 
     A region starts at ``# BEGIN SOLUTION N.M hint: ...`` (hint optional)
@@ -42,27 +42,18 @@ def make_stub(source: str, hints: str = "idea", only: set[str] | None = None) ->
     <function> (idea: ...)")`` at the marker's indentation. The function is
     the nearest enclosing ``def``. hints: "idea" takes the ``# idea:`` line
     that follows the marker (every region needs one), "code" the marker's
-    ``hint:``. only: stub just these exercises and keep the other regions
-    as they are (the grader's sandbox keeps only the model answers the
-    graded exercise needs, ``sandbox.model_answers_for``). Raises ValueError for unbalanced or malformed markers,
-    naming the line.
+    ``hint:``. Raises ValueError for unbalanced or malformed markers, naming
+    the line.
     """
     if hints not in HINT_LEVELS:
         raise ValueError(f"hints must be one of {HINT_LEVELS}, got {hints!r}")
     lines = source.splitlines(keepends=True)
     out: list[str] = []
     region_start = None       # line number of an open BEGIN
-    keeping = False           # inside a region that ``only`` leaves as it is
     for no, line in enumerate(lines, start=1):
         text = line.rstrip("\r\n")
         begin, end = _BEGIN.match(text), _END.match(text)
-        if keeping:
-            out.append(line)
-            keeping = not end
-        elif begin and only is not None and _region_id(begin["rest"]) not in only:
-            out.append(line)
-            keeping = True
-        elif begin:
+        if begin:
             if region_start is not None:
                 raise ValueError(f"line {no}: BEGIN SOLUTION inside the region opened on line {region_start}")
             rest = _BEGIN_REST.match(begin["rest"])
@@ -92,11 +83,6 @@ def make_stub(source: str, hints: str = "idea", only: set[str] | None = None) ->
     if region_start is not None:
         raise ValueError(f"line {region_start}: BEGIN SOLUTION is never closed by END SOLUTION")
     return "".join(out)
-
-
-def _region_id(rest: str) -> str | None:
-    m = _BEGIN_REST.match(rest)
-    return m["id"] if m else None
 
 
 def _raise_statement(indent: str, message: str, width: int = 100) -> str:
@@ -178,7 +164,5 @@ def exercise_functions(reference_source: str) -> dict[str, list[str]]:
 
 
 def model_answer_source(module) -> str:
-    """The text of a module of model answers: as the grader gave it, compiled from memory
-    (``toyllm.answers.give`` keeps it on the module), else its file's."""
-    text = getattr(module, "__toyllm_source__", None)
-    return text if text is not None else Path(module.__file__).read_text()
+    """The text of a module of model answers (its file's)."""
+    return Path(module.__file__).read_text()

@@ -266,13 +266,15 @@ def _add_note(report, note: str) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
-    """In the student edition, a failed test also names the other exercises it ran that fail their own tests.
+    """Under the grader (either edition) and in the student edition, a failed test also names the other
+    exercises it ran that fail their own tests.
 
-    There no model answer stands in for them (``toyllm.grading.expect.neighbours_note``). Which those
-    are is worked out once the session ends (``pytest_sessionfinish``).
+    There no model answer stands in for them: the submission's own run (``toyllm.grading.expect.neighbours_note``).
+    Which those are is worked out once the session ends (``pytest_sessionfinish``).
     """
     report = yield
-    if answers.EDITION != "student" or report.when not in ("setup", "call"):
+    runs_submission = answers.EDITION == "student" or os.environ.get(SANDBOX_ENV) == "1"
+    if not runs_submission or report.when not in ("setup", "call"):
         return report
     ran = _exercises_ran()                      # after setup: empty, so that the call's record is its own
     if report.when == "call" and report.failed:

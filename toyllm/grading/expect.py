@@ -224,9 +224,11 @@ _RAN_ALSO = "this test also ran Exercise "
 def neighbours_note(exercise: str, ran) -> str:
     """Which of the other exercises a failed test ran fail their own graded tests, as advice; "" if none does.
 
-    In the student edition no model answer stands in for the lesson's other
-    exercises, so a test of ``exercise`` runs the student's own code for
-    every exercise in ``ran`` (``toyllm.answers.ran``). Each of those is
+    Under the grader (either edition) and in the student edition no model
+    answer stands in for the lesson's other exercises, so a test of
+    ``exercise`` runs the student's own code for every exercise in ``ran``
+    (``toyllm.answers.ran``: those found written; an unwritten one names
+    itself in the test's error, or a stand-in that is no answer ran). Each of those is
     graded on its own (once per version of its file), and one that fails
     is named: "this test also ran your gather_rows (Exercise 8.2), which
     fails its own tests: fix 8.2 first".

@@ -109,34 +109,30 @@ def parallel_prefill(spec, ids, method: str, p: int, chunks, step=None, **kwargs
     env = Settings(step=rules).to_env()
     key = (p, rules)
     if key not in _pools or _pools[key].closed:
-        _pools[key] = _pool_with_answers(p, env)
+        _pools[key] = _pool_running_submission(p, env)
     result = run(spec, ids, method, p, chunks, pool=_pools[key], step=step, **kwargs)
     if result.kv_cache is not None:                    # plain (keys, values) pairs per layer travel back
         result.kv_cache = [(k, v) for k, v in result.kv_cache]
     return result
 
 
-def _pool_with_answers(p: int, env: dict):
-    """A ``WorkerPool`` of ``p`` whose workers run the model answers this process was given, and no others.
-
-    The text travels over each worker's task pipe (``give_answers``), never through a file or the
-    environment, which the submitted step running there could read.
-    """
+def _pool_running_submission(p: int, env: dict):
+    """A ``WorkerPool`` of ``p`` whose workers run the submission's exercises where toyllm's marked functions
+    hand work to one, as this sandbox does (``toyllm.answers.run_submission``): no model answer there either."""
     from toyllm import answers
     from toyllm.launch import WorkerPool
 
     pool = WorkerPool(p, timeout_s=60, env=env)
-    sources = answers.given_sources()
-    if sources is not None:                 # in the grader's sandbox (a plain pytest run uses solutions/)
-        pool.run(give_answers, args=(sources,))
+    if answers.EDITION == "student":        # as this process: the sandbox, or the student edition's plain run
+        pool.run(run_submission)
     return pool
 
 
-def give_answers(ctx, sources: dict) -> None:
-    """In an engine worker: ``toyllm.answers.give`` the model answers of the sandbox that started it."""
+def run_submission(ctx) -> None:
+    """In an engine worker: ``toyllm.answers.run_submission``, as in the sandbox that started it."""
     from toyllm import answers
 
-    answers.give(sources)
+    answers.run_submission()
 
 
 _guarded: dict = {}
@@ -199,7 +195,7 @@ def engine_trace(spec, ids, method: str, p: int, chunks, step, timeout_s: float 
     env = Settings(step=json.dumps({"step": step_reference(step), "exercise": exercise,
                                     "forbidden": list(forbidden), "files": list(files)}),
                    trace=str(folder)).to_env()         # traced_step leaves what each rank attended over in folder
-    pool = _pool_with_answers(p, env)
+    pool = _pool_running_submission(p, env)
     try:
         run(spec, ids, method, p, chunks, pool=pool, step=f"{__name__}:traced_step", warmup=0,
             timeout_s=timeout_s)

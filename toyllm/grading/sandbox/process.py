@@ -12,14 +12,14 @@ sandbox process
 - has its own process group, a scratch folder as its working directory and
   home, a copy of the submission's files and an environment with nothing
   but the basics;
-- holds, in memory only, the model answers the graded exercise needs and
-  no other (``model_answers_for``: those its own model answer calls, and
-  those its lesson's graded tests run through toyllm, such as 2.1's dense
-  attention). They arrive as text over the socket and are compiled from
-  memory (``toyllm.answers.give``), never written to a file; the sandbox
-  starts afresh for each exercise, and toyllm's own marked answers resolve
-  to these, so no route, however computed, reaches the answer being graded
-  or a neighbour's that does its work unguarded;
+- holds no model answer at all, as text or as code: toyllm's marked
+  functions run the submission's own exercises there, in either edition
+  (``toyllm.answers.run_submission``), so a graded test that runs the
+  framework through another exercise (8.2 inside the paged cache in a
+  test of 8.1) runs the student's own, as the student's ``check()`` does,
+  and a test of 3.5 that calls the submission's 3.3 runs that 3.3. What
+  fails because a neighbour is wrong names that neighbour
+  (``toyllm.grading.expect.neighbours_note``);
 - gets CPU-time, memory, file-size and process-count limits;
 - cannot reach the graded tests, the grader's log or the results file (they
   live in the grader's private folder, which the sandbox user cannot open).
@@ -339,7 +339,7 @@ class Sandbox:
         self._output = None                   # read end of the sandbox's stdout and stderr
         self.sock: socket.socket | None = None
         self.scratch: Path | None = None
-        self.exercise: str | None = None       # the exercise whose model answer the sandbox lacks
+        self.exercise: str | None = None       # the exercise the sandbox serves
         self.loaded: dict[str, dict] = {}          # module -> reply of its load
         self.failed: dict[str, Exception] = {}     # module -> why it cannot be loaded (not retried)
         self._others: set[int] = set()
@@ -401,18 +401,6 @@ class Sandbox:
         submitted, _ = read_submission(resolve_impl())
         return {f"submission/{name}": text for name, text in submitted.items()}
 
-    def _answers(self) -> tuple[dict[str, str], list[str]]:
-        """The model answers the graded exercise may use and those its own model answer calls
-        (``model_answers_for``); none outside a test, and none in the student edition."""
-        from ...course import solutions_dir
-
-        try:
-            reference = solutions_dir()
-        except ValueError:                  # the student edition: no model answers
-            return {}, []
-        given, neighbours = model_answers_for(self.exercise, reference)
-        return given, sorted(neighbours)
-
     def _start(self) -> None:
         spare, self._spare = self._spare, None
         if spare is not None and spare.proc.poll() is not None:
@@ -422,9 +410,7 @@ class Sandbox:
         launched = spare or self._launch()
         self.proc, self.sock, self._output, self.scratch = launched
         self.exercise = context.exercise
-        given, neighbours = self._answers()
-        self._request_started({"op": "prepare", "files": self._files(), "answers": given, "neighbours": neighbours},
-                              "starting the sandbox")
+        self._request_started({"op": "prepare", "files": self._files()}, "starting the sandbox")
         if context.more_exercises:               # the next exercise's sandbox warms up while this one works
             self._spare = self._launch()
         for name in list(self.loaded):               # a restart: bring back what was loaded
@@ -514,7 +500,7 @@ class Sandbox:
 
     def _request(self, message: dict, what: str, callbacks=None) -> dict:
         if self.proc is not None and self.exercise != context.exercise:
-            self.kill()                # it holds the model answer of the exercise now graded: start afresh
+            self.kill()                # a new exercise starts afresh: nothing another one's calls left behind
         if self.proc is None:
             self._start()
         return self._request_started(message, what, callbacks)
@@ -585,39 +571,6 @@ class Sandbox:
         if not reply["ok"]:
             raise _rebuild_error(reply["error"])
         return reply["value"]
-
-
-def model_answers_for(exercise: str | None, reference: Path) -> tuple[dict[str, str], set[str]]:
-    """What the sandbox grading Exercise ``exercise`` gets of the model answers in ``reference``, and which of
-    them its own model answer calls: ({file name: text}, {"3.3", ...}).
-
-    It gets the lesson's other exercises that ``exercise``'s model answer calls (``guard.exercises_called``:
-    3.5 calls 3.3), those its lesson's graded tests run through toyllm (``course.GRADED_TESTS_RUN``: the
-    model's dense attention, 2.1), and what these call in turn; never ``exercise`` itself. Every other
-    exercise is a stub in the text, and a file with none of them is left out: 1.1 calling the submission's
-    1.2 reaches only the submission's 1.2.
-    """
-    from ...course import GRADED_TESTS_RUN, lesson_module
-    from ...stubs import make_stub
-
-    if exercise is None:                    # outside a test: no answer at all
-        return {}, set()
-    sources = {path.name: path.read_text() for path in sorted(reference.glob("ex*.py"))}
-    lessons = {name[:4]: text for name, text in sources.items()}
-    lesson = lesson_module(exercise)
-    neighbours = guard.exercises_called(lessons[lesson], exercise)
-    keep, todo = set(), [*neighbours, *GRADED_TESTS_RUN.get(lesson, ())]
-    while todo:
-        number = todo.pop()
-        if number != exercise and number not in keep:
-            keep.add(number)
-            todo += guard.exercises_called(lessons[lesson_module(number)], number)
-    given = {}
-    for name, text in sources.items():
-        regions = set(guard.exercise_functions(text))
-        if regions & keep:
-            given[name] = make_stub(text, only=regions - keep)
-    return given, neighbours
 
 
 def _children():

@@ -5,12 +5,10 @@ descriptor ``argv[1]``; the submission's files are in ``$TOYLLM_IMPL``. It
 answers one request at a time:
 
 - ``prepare`` (first, once): write the submission's files it is handed
-  into its scratch folder, and compile the model answers the graded
-  exercise may use from the text handed with them (``answers.give``:
-  memory only, no file), with the exercises whose answers that exercise's
-  own model answer calls (``neighbours``, for ``guard.swaps_for``). A
-  sandbox can so be started ahead, before anyone knows which exercise it
-  will serve;
+  into its scratch folder. From then on toyllm's marked functions run the
+  submission's own exercises (``answers.run_submission``): the sandbox
+  holds no model answer. A sandbox can so be started ahead, before anyone
+  knows which exercise it will serve;
 - ``load``: import an exercise module; reply with its function names;
 - ``call``: run a submitted function (``("exercise", module, name)``) or a
   trusted harness function (``("harness", "pkg.module:function")``) under
@@ -112,9 +110,6 @@ def main(fd: int) -> None:
     torch.set_num_threads(1)
     sock = socket.socket(fileno=fd)
     modules: dict[str, object] = {}          # "ex01" -> the submission's module
-    neighbours: set[str] = set()            # the exercises the graded exercise's model answer calls
-    # The given neighbours that could do the graded exercise's work (their marks say also=): off limits too.
-    forbidden_given = functools.lru_cache(maxsize=None)(lambda number: answers.forbidden_given(number, neighbours))
 
     def submission_files():
         return {m.__file__ for m in modules.values()}
@@ -158,8 +153,7 @@ def main(fd: int) -> None:
                     os.makedirs(folder, exist_ok=True)
                     with open(os.path.join(folder, name), "w") as f:
                         f.write(text)
-                answers.give(request["answers"])
-                neighbours.update(request["neighbours"])
+                answers.run_submission()
                 reply = {"ok": True, "value": None}
             elif request["op"] == "load":
                 name = request["module"]
@@ -171,13 +165,9 @@ def main(fd: int) -> None:
                 reply = {"ok": True, "value": {"functions": functions, "file": path.name}}
             elif request["op"] == "call":
                 kind, *where = request["target"]
-                swaps = []
                 if kind == "exercise":
                     module_name, fn_name = where
                     fn = getattr(modules[module_name], fn_name)
-                    for key, module in modules.items():
-                        swaps += guard.swaps_for(request.get("exercise"), module, answers.given_module(key), fn_name,
-                                                 neighbours)
                 else:
                     module_name, _, fn_name = where[0].partition(":")
                     if not module_name.startswith("toyllm."):
@@ -188,8 +178,8 @@ def main(fd: int) -> None:
                     reply = {"ok": False, "error": _error(RuntimeError("toyllm was changed"), ())}
                     violations = [guard.tampering_message(request.get("exercise"), changed)]
                 else:
-                    forbidden = [*request.get("forbidden", ()), *forbidden_given(request.get("exercise"))]
-                    with guard.rules(request.get("exercise"), forbidden, submission_files(), swaps) as violations:
+                    forbidden = request.get("forbidden", ())
+                    with guard.rules(request.get("exercise"), forbidden, submission_files()) as violations:
                         try:
                             value = fn(*request["args"], **request["kwargs"])
                             reply = {"ok": True, "value": value}
