@@ -15,6 +15,11 @@ the ranks end with one process's result.
 
 Reach this file with ``toyllm.grading.load_exercise("ex09")``; check your
 work with ``python -m toyllm grade --only ex09``.
+
+Write each exercise yourself: your answer to Exercise N.M may not call
+toyllm's own implementation of it, which ``toyllm.answers.forbidden("N.M")``
+lists (a per-layer step run in the engine may not even name it); one
+that does scores 0 for that exercise.
 """
 from __future__ import annotations
 
@@ -65,12 +70,15 @@ def ring_pass_kv_layer(layer, x, pos, ring, attention):
     block in hand to the next rank and posts the receive of the next one,
     returning a handle whose ``wait()`` gives it as (k, v);
     ``ring.attend(q, k, v, q_pos, k_pos, attention)`` is the attention of
-    your queries over one block, (out, lse), as in Exercise 9.2. Each of the
-    p steps: send the block on (except at the last step), attend to the
-    block in hand unless every key of it is in the future of all your
-    queries (skip it: no dot products), merge (Exercise 9.1), then take the
-    block that arrived. Returns (layer output (B, c_r, d_model), this rank's
-    own k and v (B, Hkv, c_r, D), which stay in its KV cache).
+    your queries over one block, (out, lse), as in Exercise 9.2;
+    ``layer.project(out)`` turns the merged out (B, H, c_r, D) into the
+    attention output (B, c_r, d_model) that ``layer.finish`` takes. Each of
+    the p steps: send the block on (except at the last step), attend to the
+    block in hand, one ``ring.attend`` call, unless every key of it is in the
+    future of all your queries (skip it: no call, no dot products), merge
+    (Exercise 9.1), then take the block that arrived. Returns (layer output
+    (B, c_r, d_model), this rank's own k and v (B, Hkv, c_r, D), which stay
+    in its KV cache).
     """
     raise NotImplementedError(
         "Exercise 9.3: implement ring_pass_kv_layer (idea: your queries stay; each step, send the "
@@ -89,8 +97,9 @@ def ring_traffic(new_tokens: int, cached_tokens: int, n_heads: int, n_kv_heads: 
     the p - 1 other ranks, and their partial outputs come back with one lse
     per head (H * (D + 1) values each). Returns {"kv": int bytes, "q": int
     bytes, "choose": "kv" or "q"}: the pass that sends fewer bytes, "kv"
-    on a tie. Raises ValueError for new_tokens or world_size below 1,
-    cached_tokens below 0, head counts or sizes below 1, or n_kv_heads
+    on a tie. Raises ValueError for an argument that is not an int (a
+    float such as 10.5 or a bool included), new_tokens or world_size below
+    1, cached_tokens below 0, head counts or sizes below 1, or n_kv_heads
     that does not divide n_heads.
     """
     raise NotImplementedError(

@@ -160,3 +160,25 @@ def test_in_the_edition_a_test_that_failed_through_8_2_names_it(tmp_path):
     note = "this test also ran your gather_rows (Exercise 8.2), which fails its own tests: fix 8.2 first"
     for name in failed:
         assert notes.get(name) == note, (name, notes, run.stdout[-3000:])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_under_the_grader_a_test_that_failed_through_8_2_names_it_and_an_unwritten_2_1_is_not_blamed(tmp_path):
+    """The grader runs the submission's own neighbours in this edition too: model answers but a wrong 8.2 and an
+    unwritten lesson 02 (PyTorch's kernel stands in for 2.1). 8.1's failed tests name 8.2 and never 2.1; 8.4,
+    which runs no other exercise, keeps full marks."""
+    from test_grader import outputs
+    from toyllm.grading import grade
+
+    _variant(tmp_path, "8.2", NO_CUT, CUT_MISSING)
+    (tmp_path / "ex02_kv_cache.py").write_text((ROOT / "exercises" / "ex02_kv_cache.py").read_text())
+    report = grade(tmp_path, only=["ex08"])
+    scores = report.by_exercise()
+    assert scores["8.2"][0] < scores["8.2"][1] and scores["8.4"][0] == scores["8.4"][1], scores
+    said = outputs(report, "8.1")
+    assert scores["8.1"][0] < scores["8.1"][1], (scores, said)
+    note = "this test also ran your gather_rows (Exercise 8.2), which fails its own tests: fix 8.2 first"
+    failed = [out for out in said if out]
+    assert failed and all(note in out for out in failed), said
+    assert not any("Exercise 2.1" in out for out in said), said
