@@ -22,6 +22,11 @@ are seconds; bandwidths are bytes per second.
 
 Reach this file with ``toyllm.grading.load_exercise("ex03")``; check your
 work with ``python -m toyllm grade --only ex03``.
+
+Write each exercise yourself: your answer to Exercise N.M may not call
+toyllm's own implementation of it, which ``toyllm.answers.forbidden("N.M")``
+lists (a per-layer step run in the engine may not even name it); one
+that does scores 0 for that exercise.
 """
 from __future__ import annotations
 
@@ -129,7 +134,8 @@ def max_batch_size(param_bytes: float, kv_bytes_per_seq: float, hbm_bytes: float
     Example: LLaMA-2-13B on 8 x 16 GiB of HBM with 26 GB of weights and
     6.7 GB of KV per sequence fits 16 sequences; with a KV cache five
     times smaller (8 KV heads instead of 40), 83.
-    Returns a Python int >= 0 (rounded down: a partial sequence does not fit).
+    Returns a Python int >= 0 (rounded down: a partial sequence does not
+    fit; sequences that fill the memory exactly do).
     Raises ValueError if kv_bytes_per_seq is not positive.
     """
     raise NotImplementedError(

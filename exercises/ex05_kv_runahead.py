@@ -14,6 +14,11 @@ KV cache of the whole context and produces the first token.
 
 Reach this file with ``toyllm.grading.load_exercise("ex05")``; check your
 work with ``python -m toyllm grade --only ex05``.
+
+Write each exercise yourself: your answer to Exercise N.M may not call
+toyllm's own implementation of it, which ``toyllm.answers.forbidden("N.M")``
+lists (a per-layer step run in the engine may not even name it); one
+that does scores 0 for that exercise.
 """
 from __future__ import annotations
 
@@ -29,7 +34,9 @@ def kvr_layer_blocking(layer, x, pos, chain, attention):
     The other arguments are as in Exercise 4.2. Receive first, then project,
     concatenate the prefix before your own keys and values, send the result
     on, attend over keys at positions 0 .. s_i + c_i - 1, finish the layer.
-    Returns (layer output (B, c_i, d_model), k and v (B, Hkv, s_i + c_i, D)).
+    Returns (layer output (B, c_i, d_model), k and v (B, Hkv, s_i + c_i, D),
+    row t holding token t). The last rank's k and v are the whole prompt's:
+    decoding goes on from them.
     """
     raise NotImplementedError(
         "Exercise 5.1: implement kvr_layer_blocking (idea: the prefix of the earlier ranks arrives "
@@ -57,7 +64,8 @@ def kvr_counts(chunks: list[int]) -> tuple[list[int], int]:
 
     Rank i scores its c_i queries against s_i + c_i keys (dense kernel).
     Every rank but the last sends K and V of tokens [0, s_i + c_i) to the next:
-    2 * (s_i + c_i) rows. Returns (list of ints, one per rank; total rows sent, an int).
+    2 * (s_i + c_i) rows. Returns a tuple (list of Python ints, one per
+    rank; total rows sent, a Python int).
     Raises ValueError for an empty list or a chunk below 1.
     """
     raise NotImplementedError(
@@ -68,8 +76,9 @@ def kvr_counts(chunks: list[int]) -> tuple[list[int], int]:
 def ttft_lower_bound(ttft1_s: float, world_size: int) -> float:
     """Exercise 5.4 (1 point): the paper's TTFT*(p) = TTFT(1) / 2 * (1/p + 1/p^2), in seconds.
 
-    ttft1_s: the one-process time to first token (seconds). Raises
-    ValueError for a world size below 1 or a negative time.
+    ttft1_s: the one-process time to first token (seconds). Returns
+    seconds as a float (no rounding). Raises ValueError for a world size
+    below 1 or a negative time.
     """
     raise NotImplementedError(
         "Exercise 5.4: implement ttft_lower_bound (idea: the paper's bound halves the one-process "

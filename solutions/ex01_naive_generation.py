@@ -16,6 +16,11 @@ Notebooks and tests reach this file with
 ``toyllm.grading.load_exercise("ex01")``, which returns your version
 (``exercises/``) or the model answer (``solutions/``) depending on
 ``TOYLLM_IMPL``. Check your work with ``python -m toyllm grade --only ex01``.
+
+Write each exercise yourself: your answer to Exercise N.M may not call
+toyllm's own implementation of it, which ``toyllm.answers.forbidden("N.M")``
+lists (a per-layer step run in the engine may not even name it); one
+that does scores 0 for that exercise.
 """
 from __future__ import annotations
 
@@ -27,8 +32,9 @@ from toyllm.generation import check_sampling
 def greedy_next_token(logits: torch.Tensor) -> int:
     """Exercise 1.1 (2 points): the id of the highest-scoring token.
 
-    logits: (vocab,) float scores of one position; any real numbers, they
-        need not be normalised (softmax would not change the winner).
+    logits: (vocab,) float scores of one position, of any float dtype; any
+        real numbers or -inf, they need not be normalised (softmax would
+        not change the winner).
     Returns a Python int in [0, vocab), not a tensor. On a tie the lowest id
     wins, as with ``torch.argmax``.
     Raises ValueError if logits is not a non-empty 1-D tensor.
@@ -49,9 +55,11 @@ def sample_next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int
     temperature: 0 means greedy (return the argmax and draw nothing).
         Otherwise divide the logits by it before the softmax: below 1
         sharpens the distribution, above 1 flattens it.
-    top_k: keep only the top_k highest-scoring tokens (None: keep all).
+    top_k: keep only the top_k highest-scoring tokens (None, or a top_k
+        above the vocabulary size: keep all).
     top_p: then keep the smallest set of most likely tokens whose
-        probabilities add up to at least top_p ("nucleus"); a token is
+        probabilities (after the temperature, renormalised over the tokens
+        top_k kept) add up to at least top_p ("nucleus"); a token is
         dropped when the more likely ones before it already reach top_p, so
         the most likely token always stays (None or 1.0: keep all).
     generator: a seeded ``torch.Generator``; pass it to ``torch.multinomial``
@@ -91,7 +99,9 @@ def naive_generate(model, prompt_ids: list[int], max_new_tokens: int) -> list[in
     with ``greedy_next_token``. Step i calls the model exactly once, on the
     prompt plus the i tokens generated so far: len(prompt) + i tokens. This
     is the slow baseline that the KV cache of lesson 02 speeds up.
-    Raises ValueError for an empty prompt or a negative max_new_tokens.
+    max_new_tokens = 0 returns [] without calling the model.
+    Raises ValueError for an empty prompt (even when max_new_tokens is 0)
+    or a negative max_new_tokens.
     """
     # BEGIN SOLUTION 1.3 hint: ids = list(prompt_ids); each step: run the model on torch.tensor([ids]) and keep the last position's logits ([0, -1]), pick with greedy_next_token, append to ids
     # idea: each step runs the model over the whole sequence so far and keeps only the last position's logits

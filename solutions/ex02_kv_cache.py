@@ -16,6 +16,11 @@ causal mask. The price is memory, which the formulas below count.
 
 Reach this file with ``toyllm.grading.load_exercise("ex02")``; check your
 work with ``python -m toyllm grade --only ex02``.
+
+Write each exercise yourself: your answer to Exercise N.M may not call
+toyllm's own implementation of it, which ``toyllm.answers.forbidden("N.M")``
+lists (a per-layer step run in the engine may not even name it); one
+that does scores 0 for that exercise.
 """
 from __future__ import annotations
 
@@ -36,7 +41,8 @@ def attention_with_offset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         call's included (S >= T). With grouped-query attention the model
         copies each K/V head out to its H/Hkv query heads before calling a
         kernel like this one (toyllm's own kernels share them without copies).
-    q_pos: (T,) absolute positions of the queries; k_pos: (S,) of the keys.
+    q_pos: (T,) absolute positions of the queries; k_pos: (S,) of the keys,
+        which need not start at 0 nor be in order (a ring buffer).
         A decode step has T = 1 and q_pos = [S - 1]; a chunked prefill has
         q_pos starting at an offset (the tokens already cached).
     A query at position p may only see keys at positions <= p
@@ -125,10 +131,13 @@ def cached_generate(model, prompt_ids: list[int], max_new_tokens: int) -> list[i
     prompt_ids: the prompt's token ids (at least one).
     max_new_tokens: how many tokens to generate (>= 0).
     Use a ``toyllm.cache.DynamicKVCache(model.config.n_layers)``: one prefill
-    call over the whole prompt gives the first new token, then one decode
-    call per further token feeds only that single newest token.
-    Returns the new ids only, the same as lesson 01's naive greedy loop
-    (the cache changes the cost, never the tokens).
+    call over the whole prompt (input_pos 0, an empty cache) gives the
+    first new token, then one decode call per further token feeds only that
+    single newest token, into the same cache, at input_pos = the number of
+    tokens cached: max_new_tokens model calls in all.
+    Returns the new ids only, a list of Python ints, the same as lesson
+    01's naive greedy loop (the cache changes the cost, never the tokens);
+    max_new_tokens = 0 returns [] without calling the model.
     Raises ValueError for an empty prompt or a negative max_new_tokens.
     """
     # BEGIN SOLUTION 2.4 hint: cache = DynamicKVCache(model.config.n_layers); prefill: model(torch.tensor([prompt]), input_pos=0, cache=cache); then feed [[token]] at input_pos=cache.length

@@ -18,6 +18,11 @@ or of V; bytes are bytes.
 
 Reach this file with ``toyllm.grading.load_exercise("ex04")``; check your
 work with ``python -m toyllm grade --only ex04``.
+
+Write each exercise yourself: your answer to Exercise N.M may not call
+toyllm's own implementation of it, which ``toyllm.answers.forbidden("N.M")``
+lists (a per-layer step run in the engine may not even name it); one
+that does scores 0 for that exercise.
 """
 from __future__ import annotations
 
@@ -50,7 +55,8 @@ def tsp_layer(layer, x, pos, comm, attention):
     (``q_pos`` (c_i,), ``cos``, ``sin``, ``start`` = s_i, ``context`` = C).
     comm: ``comm.all_gather(k, v)`` returns every rank's k and v, (B, Hkv, c_j, D)
     each, as two lists in rank order. attention: the kernel to pass to attend.
-    Returns (layer output (B, c_i, d_model), k and v of the whole context (B, Hkv, C, D)).
+    Returns (layer output (B, c_i, d_model), k and v of the whole context
+    (B, Hkv, C, D), row t holding token t: rank 0's tokens first).
     Test it with ``parallel_prefill(..., step=ex04.tsp_layer)``.
     """
     # BEGIN SOLUTION 4.2 hint: layer.qkv with pos.cos and pos.sin gives q, k, v; ks, vs = comm.all_gather(k, v); concatenate along the token dim (-2); keys sit at positions 0..C-1; layer.finish(x, layer.attend(...))

@@ -16,6 +16,11 @@ number of times: the grader counts the distinct partitions you evaluate.
 
 Reach this file with ``toyllm.grading.load_exercise("ex06")``; check your
 work with ``python -m toyllm grade --only ex06``.
+
+Write each exercise yourself: your answer to Exercise N.M may not call
+toyllm's own implementation of it, which ``toyllm.answers.forbidden("N.M")``
+lists (a per-layer step run in the engine may not even name it); one
+that does scores 0 for that exercise.
 """
 from __future__ import annotations
 
@@ -28,8 +33,9 @@ from toyllm.partition import chunks_from_boundaries
 def search_boundary(cost, context: int, min_stride: int = 1) -> list[int]:
     """Exercise 6.1 (3 points): the best split of ``context`` tokens between two processes.
 
-    cost: a function ``cost([c_0, c_1]) -> seconds``. The boundary b = c_0
-    may take the values min_stride, 2 * min_stride, ... below ``context``.
+    cost: a function ``cost([c_0, c_1]) -> seconds`` of a list of two
+    Python ints. The boundary b = c_0 may take the values min_stride,
+    2 * min_stride, ... below ``context``; ask the cost of no other b.
     Assume the cost, as a function of b, falls and then rises (unimodal,
     no flat stretches). Return ``[b, context - b]`` (Python ints) for the b
     with the lowest cost among those values. Use far fewer evaluations than
@@ -73,10 +79,11 @@ def grid_search(cost, context: int, world_size: int, stride: int, min_stride: in
                 span: int = 2) -> list[int]:
     """Exercise 6.2 (3 points): the hierarchical grid search (stride halving) for any number of processes.
 
-    Start at the even split: boundary j (j = 1 .. p-1) at ``j * context //
-    world_size``. One level: move each of the p-1 inner boundaries by
-    ``o * stride`` tokens, o in {-span, ..., span}, all combinations around
-    the best point so far; skip points whose boundaries do not strictly
+    cost: a function ``cost(chunks) -> seconds`` of a list of world_size
+    Python ints. Start at the even split: boundary j (j = 1 .. p-1) at
+    ``j * context // world_size``. One level: move each of the p-1 inner
+    boundaries by ``o * stride`` tokens, o in {-span, ..., span}, all
+    combinations around the best point so far; skip points whose boundaries do not strictly
     increase from 0 to context; keep the cheapest point (the centre itself
     is one of them). Then halve the stride (integer division, never below
     ``min_stride``) and scan again around the new best; the level scanned at
@@ -172,8 +179,11 @@ def fit_cost_model(samples: list[tuple[float, float, float]]) -> tuple[float, fl
 
     samples: measurements (tokens, dot_products, seconds), e.g. one rank's
     time for one layer with c_i tokens and c_i (s_i + c_i) query-key pairs.
-    Returns (a, b, c) as Python floats: seconds per token, per dot product,
-    and per layer, minimising the sum of squared errors (no clipping).
+    Returns a tuple (a, b, c) of Python floats: seconds per token, per dot
+    product, and per layer, minimising the sum of squared errors (no
+    clipping). Samples without noise must give a, b and c back within a
+    relative 1e-6 (or 1e-12 absolute), so work in float64: tokens, dot
+    products and 1 differ by orders of magnitude.
     Raises ValueError for fewer than 3 samples.
     """
     # BEGIN SOLUTION 6.4 hint: X = tensor of rows [tokens, dots, 1.0] (float64), y = seconds; torch.linalg.lstsq(X, y[:, None]).solution; return floats

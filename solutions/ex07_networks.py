@@ -15,6 +15,11 @@ prefixes s_i = c_0 + ... + c_{i-1}.
 
 Reach this file with ``toyllm.grading.load_exercise("ex07")``; check your
 work with ``python -m toyllm grade --only ex07``.
+
+Write each exercise yourself: your answer to Exercise N.M may not call
+toyllm's own implementation of it, which ``toyllm.answers.forbidden("N.M")``
+lists (a per-layer step run in the engine may not even name it); one
+that does scores 0 for that exercise.
 """
 from __future__ import annotations
 
@@ -24,9 +29,10 @@ def chain_transfer_s(chunks: list[int], row_bytes: int, bandwidth_bytes_per_s: f
     """Exercise 7.1 (2 points): seconds each KV-Runahead message takes, per layer.
 
     Rank i < p-1 sends K and V of tokens [0, s_i + c_i) to rank i+1: 2 (s_i + c_i)
-    rows. Returns p-1 floats, the message from rank 0 to 1 first (an empty
-    list for one process). Raises ValueError for an empty partition, a
-    chunk below 1, row_bytes below 1, a bandwidth <= 0 or a negative latency.
+    rows. Returns a list of p-1 floats (seconds), the message from rank 0
+    to 1 first (an empty list for one process). Raises ValueError for an
+    empty partition, a chunk below 1, row_bytes below 1, a bandwidth <= 0
+    or a negative latency.
     """
     # BEGIN SOLUTION 7.1 hint: running end e = s_i + c_i; (2 * e * row_bytes) / bandwidth + latency for every rank but the last
     # idea: each rank but the last sends the prefix it holds, K and V, over a link that costs latency plus bytes over bandwidth
@@ -104,7 +110,8 @@ def break_even_context(speedup, lo: int, hi: int) -> int | None:
     """Exercise 7.4 (3 points): the shortest context for which parallel prefill pays.
 
     speedup: a function ``speedup(context) -> TTFT on one process / TTFT in
-    parallel``, assumed to grow with the context. Return the smallest
+    parallel``, assumed to grow with the context; call it with Python ints
+    only. Return the smallest
     integer context in [lo, hi] with speedup(context) >= 1 (a Python int),
     or None when even ``hi`` does not reach 1. Bisect: about log2(hi - lo)
     calls, not one per context; the graded tests allow at most

@@ -27,6 +27,11 @@ separate workers, each request's cache travels between them:
 
 Reach this file with ``toyllm.grading.load_exercise("ex08")``; check your
 work with ``python -m toyllm grade --only ex08``.
+
+Write each exercise yourself: your answer to Exercise N.M may not call
+toyllm's own implementation of it, which ``toyllm.answers.forbidden("N.M")``
+lists (a per-layer step run in the engine may not even name it); one
+that does scores 0 for that exercise.
 """
 from __future__ import annotations
 
@@ -88,7 +93,8 @@ def gather_rows(store: torch.Tensor, table: list[int], layer: int, length: int) 
         block_size, head_dim). table: the sequence's block table.
     layer: which layer. length: how many tokens the sequence holds in it
         (its last block may hold fewer than block_size of them).
-    Returns a new contiguous tensor (1, n_kv_heads, length, head_dim): row t
+    Returns a new contiguous tensor (1, n_kv_heads, length, head_dim), with
+    no rows for length 0: row t
     is token t, read from block table[t // block_size], row t % block_size;
     the same dtype as ``store``. This is what attention over a block table
     reads: the model attends over it exactly as over lesson 02's cache.

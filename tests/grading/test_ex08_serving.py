@@ -1,6 +1,6 @@
-"""Graded tests of lesson 08 (ex08_serving): 7 points.
+"""Graded tests of lesson 08 (ex08_serving): 12 points.
 
-8.1 prepare_blocks 4, 8.2 gather_rows 3.
+8.1 prepare_blocks 4, 8.2 gather_rows 3, 8.3 plan_iteration 3, 8.4 transfer_bytes 2.
 The submitted steps run inside toyllm's paged cache (``harness.paged_run``,
 in the submission's process) while the tiny model prefills and decodes
 several sequences: growing ones, chunks that cross a block's end, forks that
