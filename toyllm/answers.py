@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .course import (ANSWERS_ENV, COURSE_ENV, IMPL_ENV, SANDBOX_ENV,  # noqa: F401
-                     file_stamp, lesson_module, load_exercise, solutions_dir)
+                     file_stamp, lesson_module, load_exercise, resolve_impl, solutions_dir)
 from .stubs import stub_exercises
 
 # Which implementation the marked functions call: "instructor" runs the model answers of solutions/,
@@ -178,11 +178,13 @@ def exercise(number: str):
 def _find(number: str):
     """(the module, the function) of Exercise ``number``, checked to be written."""
     feature, name = _entry(number)
-    if EDITION == "instructor":
-        module = load_exercise(lesson_module(number), impl=_solutions_dir())
-    else:
-        module = load_exercise(lesson_module(number))
-    if _is_stub(module, number):
+    lesson = lesson_module(number)
+    impl = _solutions_dir() if EDITION == "instructor" else None
+    if not any(resolve_impl(impl).glob(f"{lesson}_*.py")):       # a submission without this lesson's file
+        raise ExerciseNotWritten(f"{feature} needs Exercise {number}: write {name} in {lesson}_*.py "
+                                 f"(there is no such file in {resolve_impl(impl).name}/)")
+    module = load_exercise(lesson, impl=impl)
+    if _is_stub(module, number) or not callable(getattr(module, name, None)):
         raise ExerciseNotWritten(_not_written(number, feature, name, module))
     return module, getattr(module, name)
 
