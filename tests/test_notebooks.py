@@ -6,7 +6,12 @@ Static checks (fast) on every notebook in ``notebooks/``:
   comes only through ``toyllm.grading.load_exercise``, which honours TOYLLM_IMPL;
 - every graded exercise of the lesson has its "### Exercise N.M — title"
   heading, followed by a cell that runs the grader for it, and no heading
-  names an exercise the grader does not know.
+  names an exercise the grader does not know;
+- what the lesson builds on, the exercises its cells run (directly or through
+  the framework) and without which it cannot run top to bottom, is said twice
+  and alike: in its metadata (``metadata["toyllm"]["builds_on"]``) and in one
+  sentence of its first cell ("This lesson builds on Exercises 4.2 and 5.2: ...");
+  every number there is an exercise the grader knows.
 
 Execution (slow): each notebook runs top to bottom in a fresh kernel of this
 interpreter, in ``notebooks/``, with TOYLLM_FAST=1 (smaller experiments, no
@@ -18,6 +23,10 @@ browser test (``tests/browser``, Chromium installed), that test already
 runs every notebook top to bottom, in JupyterLab, with the same settings and
 the same checks and more; running each one a second time here would only
 double the suite's longest part, so this execution is then left to it.
+A lesson that builds on an exercise still unwritten in the implementation the
+run uses (the stubs of a student edition) is skipped before its kernel starts,
+naming the exercises and the files to edit: it could only stop at the first
+cell that needs one.
 """
 from __future__ import annotations
 
@@ -44,6 +53,11 @@ KERNEL_NAME = "toyllm-notebook-test"
 RUN_ENV = {"TOYLLM_FAST": "1", "TOYLLM_IMPL": os.environ.get("TOYLLM_IMPL") or "exercises"}
 
 HEADING = re.compile(r"^###\s+Exercise\s+(\d+\.\d+)\s+—\s+\S", re.MULTILINE)
+# "This lesson builds on Exercise 1.2: ..." / "... on Exercises 2.2 and 2.3: ..." / "... on Exercises 4.2, 5.1 and 5.2: ..."
+# (or "This lesson builds on none of your exercises: ...")
+BUILDS_ON = re.compile(r"This lesson builds on (?:Exercises? (\d+\.\d+(?:(?:, | and )\d+\.\d+)*)|none of your exercises)"
+                       r"(?=[:;,.])")
+NUMBER = re.compile(r"\d+\.\d+")
 DIRECT_IMPORT = re.compile(r"^\s*(?:from|import)\s+(?:solutions|exercises)\b|\bsolutions\b", re.MULTILINE)
 
 
@@ -57,6 +71,40 @@ def graded_exercises(lesson: int) -> set[str]:
     for path in GRADING_DIR.glob(f"test_ex{lesson:02d}_*.py"):
         ids |= set(re.findall(r"""mark\.exercise\(\s*["'](\d+\.\d+)["']\s*\)""", path.read_text()))
     return ids
+
+
+def builds_on(nb) -> list[str]:
+    """The exercises a lesson runs and cannot run top to bottom without, from its metadata."""
+    return list(nb.metadata.get("toyllm", {}).get("builds_on", []))
+
+
+def number_key(number: str) -> tuple[int, int]:
+    lesson, exercise = number.split(".")
+    return int(lesson), int(exercise)
+
+
+def and_list(items: list[str]) -> str:
+    """["a"] -> "a"; ["a", "b", "c"] -> "a, b and c"."""
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def in_words(numbers: list[str]) -> str:
+    """["4.2"] -> "Exercise 4.2"; ["2.2", "2.3", "3.1"] -> "Exercises 2.2, 2.3 and 3.1"."""
+    return f"Exercise{'s' if len(numbers) > 1 else ''} {and_list(numbers)}"
+
+
+def unwritten(numbers: list[str]) -> dict[str, Path]:
+    """Those of ``numbers`` still a stub in the implementation this process names (TOYLLM_IMPL), with their files."""
+    from toyllm.course import exercise_file, lesson_module, resolve_impl
+    from toyllm.stubs import stub_exercises
+
+    folder = resolve_impl()
+    missing = {}
+    for number in numbers:
+        path = exercise_file(folder, lesson_module(number))
+        if number in stub_exercises(path.read_text()):
+            missing[number] = path
+    return missing
 
 
 def lesson_of(path: Path) -> int | None:
@@ -114,6 +162,31 @@ def test_exercise_headings_match_the_grader_and_are_graded(path):
         assert graded, f"{path.name}: exercise {ex} has no cell that runs the grader for it"
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
+def test_builds_on_is_said_alike_in_metadata_and_first_cell(path):
+    nb = read(path)
+    listed = nb.metadata.get("toyllm", {}).get("builds_on")
+    assert isinstance(listed, list) and all(isinstance(n, str) and NUMBER.fullmatch(n) for n in listed), (
+        f"{path.name}: metadata toyllm.builds_on must list the exercises the lesson builds on, as strings "
+        f"like \"4.2\"; got {listed!r}")
+    assert listed == sorted(set(listed), key=number_key), f"{path.name}: builds_on {listed} is not in course order"
+    first = nb.cells[0]
+    assert first.cell_type == "markdown", f"{path.name}: the first cell is not markdown"
+    said = BUILDS_ON.findall(first.source)
+    assert len(said) == 1, (f"{path.name}: the first cell must say once 'This lesson builds on "
+                            f"{in_words(listed) if listed else 'none of your exercises'}: ...', "
+                            f"found {len(said)} such sentences")
+    assert NUMBER.findall(said[0]) == listed, (f"{path.name}: the first cell says it builds on "
+                                               f"{NUMBER.findall(said[0])}, the metadata says {listed}")
+    from toyllm.answers import answer_marks
+
+    known = set(answer_marks())
+    for lesson in {int(n.split(".")[0]) for n in listed}:
+        known |= graded_exercises(lesson)
+    unknown = [n for n in listed if n not in known]
+    assert not unknown, f"{path.name}: builds on {unknown}, which no grader or framework mark knows"
+
+
 # --------------------------------------------------------------------------- execution
 
 def _browser_runs(session, path: Path) -> bool:
@@ -155,6 +228,13 @@ def test_notebook_runs_top_to_bottom(path, kernel_spec_manager, monkeypatch, req
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("MPLBACKEND", raising=False)          # let the kernel use its inline backend
     nb = read(path)
+    with monkeypatch.context() as m:
+        m.chdir(NOTEBOOKS_DIR)                                # where the kernel resolves TOYLLM_IMPL
+        missing = unwritten(builds_on(nb))
+    if missing:                                               # it would stop at the first cell that needs one
+        files = sorted({f"{p.parent.name}/{p.name}" for p in missing.values()})
+        pytest.skip(f"{path.name} builds on {in_words(sorted(missing, key=number_key))}, not written yet: "
+                    f"write {'it' if len(missing) == 1 else 'them'} in {and_list(files)}")
     km = KernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=kernel_spec_manager)
     client = NotebookClient(nb, km=km, timeout=CELL_TIMEOUT_S, allow_errors=False,
                             resources={"metadata": {"path": str(NOTEBOOKS_DIR)}})
