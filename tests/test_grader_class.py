@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import stat
+import struct
 import subprocess
 import sys
 import threading
@@ -127,9 +128,9 @@ def test_the_class_folder_holds_one_folder_or_zip_per_student(tmp_path):
     (tmp_path / "grades.txt").write_text("")
     (tmp_path / "eve").symlink_to(tmp_path / "ann")
     found, skipped = find_submissions(tmp_path)
-    assert [(s.name, bool(s.problem)) for s in found] == [("ann", False), ("bob", False), ("bob.zip", True),
-                                                          ("dan", False)]
-    assert found[3].path == tmp_path / "dan.zip"
+    # each entry is a student of its own, keyed by its own name: a folder and a zip named alike are two
+    assert [s.name for s in found] == ["ann", "bob", "bob.zip", "dan.zip"]
+    assert found[1].path == tmp_path / "bob" and found[3].path == tmp_path / "dan.zip"
     assert skipped == ["'eve': a symbolic link, not a submission (give the folder itself)",
                        "'grades.txt': not a folder or a .zip, so not a student's submission"]
 
@@ -160,6 +161,187 @@ def test_the_gradebook_has_a_column_per_exercise_and_resumes_only_from_graded_ro
     assert sorted(again) == ["=cmd()", "ann"] and again["ann"].scores == {"1.1": 3, "1.2": 2}
     assert again["=cmd()"].notes == "-ignored"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]        # written in one step
+
+
+def _zip_directory(path: Path, entries: int, claimed: int | None = None, zip64: bool = False) -> Path:
+    """A zip of ``entries`` empty members whose central directory is written record by record (quick for
+    200,000), its end record claiming ``claimed`` entries (default: the truth), in zip64 form if asked."""
+    entry = struct.Struct("<4s4B4HL2L5H2L")
+    with open(path, "wb") as f:
+        for i in range(entries):
+            name = b"f%d" % i
+            f.write(entry.pack(b"PK\x01\x02", 20, 3, 20, 0, 0, 0, 0, 0, 0, 0, 0, len(name), 0, 0, 0, 0, 0, 0) + name)
+        size = f.tell()
+        count = entries if claimed is None else claimed
+        if zip64:
+            f.write(struct.pack("<4sQ2H2L4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, count, count, size, 0))
+            f.write(struct.pack("<4sLQL", b"PK\x06\x07", 0, size, 1))
+            f.write(struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0))
+        else:
+            f.write(struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, count, count, size, 0, 0))
+    return path
+
+
+@pytest.mark.timeout(60)
+def test_a_zip_with_a_huge_directory_is_refused_from_its_end_record_before_zipfile_reads_it(tmp_path, monkeypatch):
+    import tracemalloc
+
+    def no_zipfile(*args, **kwargs):
+        raise AssertionError("zipfile.ZipFile opened a zip whose directory is too large")
+
+    cases = {  # zip: what the row says
+        _zip_directory(tmp_path / "many.zip", 200_000, zip64=True): "more than 10000 entries (200000, by its end record)",
+        _zip_directory(tmp_path / "lying.zip", 200_000, claimed=5):
+            "central directory is larger than 4 MiB (10488890 bytes, by its end record)",
+        _zip_directory(tmp_path / "packed.zip", 40_000, claimed=5): "more than 10000 entries (in its central directory)",
+    }
+    monkeypatch.setattr(gradebook.zipfile, "ZipFile", no_zipfile)
+    for archive, why in cases.items():
+        (tmp_path / "files").mkdir()
+        tracemalloc.start()
+        try:
+            with pytest.raises(_Refused) as refused:
+                prepare(archive, tmp_path / "files")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert why in str(refused.value), (archive.name, str(refused.value))
+        assert peak < 100 * 2**20, (archive.name, peak)
+        (tmp_path / "files").rmdir()
+    monkeypatch.undo()
+    # a zip within the limits, with a comment after its end record (found as zipfile finds it), is read as ever
+    ok = _zip(tmp_path / "ok.zip", {"ex01_naive_generation.py": ANSWER_01.encode()})
+    with zipfile.ZipFile(ok, "a") as z:
+        z.comment = b"made by hand " * 100
+    (tmp_path / "files").mkdir()
+    assert prepare(ok, tmp_path / "files") == (1, [])
+    # a grading keeps going: the zip's row says why
+    sub = find_submissions(tmp_path)[0]
+    many = next(s for s in sub if s.name == "many.zip")
+    (tmp_path / "w").mkdir()
+    row = grade_one(many, tmp_path / "w", tmp_path / "many.zip.json", Options(None, None, 20, 4096, 60),
+                    threading.Event())
+    assert row.status == NO_FILES and "more than 10000 entries" in row.notes, row
+
+
+@pytest.mark.timeout(30)
+def test_the_results_a_student_gets_are_written_for_the_grader_alone(tmp_path):
+    produced = tmp_path / "produced.json"
+    produced.write_text(json.dumps({"output": "3.1 in /tmp/staged/files: failed", "tests": []}))
+    results = tmp_path / "results"
+    results.mkdir()
+    earlier = results / "ann.json"
+    earlier.write_text("{}")
+    earlier.chmod(0o644)                                       # left by an older version, readable by all
+    gradebook._add_notes(produced, earlier, ["ignored 1 file(s)"], Path("/tmp/staged/files"), "ann")
+    assert stat.S_IMODE(earlier.stat().st_mode) == 0o600
+    assert json.loads(earlier.read_text())["output"] == "ignored 1 file(s)\n3.1 in ann: failed"
+    book = tmp_path / "grades.csv"
+    book.write_text("")
+    book.chmod(0o644)
+    write_gradebook(book, {"ann": Row("ann", GRADED, {"3.1": 1}, {"3.1": 2})})
+    assert stat.S_IMODE(book.stat().st_mode) == 0o600
+    assert [p.name for p in results.iterdir()] == ["ann.json"] and not [
+        p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+NOT_UTF8 = os.fsdecode(b"\xff\xfe")          # a folder name that is not UTF-8, as os.scandir gives it
+
+
+def _look_alikes(folder: Path) -> list[str]:
+    """A class whose names collide under a careless key: ``alice`` and ``alice.zip``, ``=x`` and ``'=x`` (the
+    first's cell is ``'=x``), a name that is not UTF-8 and one that spells its escape, a terminal escape."""
+    folder.mkdir()
+    for name in ("alice", "=x", "'=x", NOT_UTF8, "\\udcff\\udcfe", "bob\x1b[2J"):
+        os.mkdir(os.path.join(os.fsencode(folder), os.fsencode(name)))
+    _zip(folder / "alice.zip", {"README.md": b"no exercise here"})
+    (folder / "alice" / os.fsdecode(b"notes\xff.py")).write_text("x = 1\n")
+    return sorted(["alice", "alice.zip", "=x", "'=x", NOT_UTF8, "\\udcff\\udcfe", "bob\x1b[2J"])
+
+
+@pytest.mark.timeout(60)
+def test_every_entry_is_a_row_of_its_own_under_a_printable_name_and_resumes_by_its_exact_key(tmp_path, monkeypatch):
+    folder, book, results = tmp_path / "class", tmp_path / "grades.csv", tmp_path / "grades-results"
+    names = _look_alikes(folder)
+    options = Options(None, None, 20, 4096, 60)
+    rows = gradebook.grade_class(folder, book, results, options, jobs=2, log=open(os.devnull, "w"))
+    assert sorted(rows) == names and {r.status for r in rows.values()} == {NO_FILES}
+    cells = {line[0]: line for line in csv.reader(book.open(encoding="utf-8"))}
+    assert sorted(cells) == sorted(["student", "alice", "alice.zip", "'=x", "''=x", "\\udcff\\udcfe",
+                                    "\\\\udcff\\\\udcfe", "bob\\x1b[2J"])
+    assert "ignored 1 file(s)" in cells["alice"][-1] and "notes\\udcff.py" in cells["alice"][-1], cells["alice"]
+
+    def graded(sub, work, path, options, stop):        # a grading that gives everyone 1 of 2 points, quickly
+        path.write_text(json.dumps({"tests": [{"number": "1.1", "score": 1, "max_score": 2}]}))
+        return gradebook.row_from_results(sub.name, path)
+
+    monkeypatch.setattr(gradebook, "grade_one", graded)
+    rows = gradebook.grade_class(folder, book, results, options, jobs=2, regrade=True, log=open(os.devnull, "w"))
+    assert sorted(rows) == names and {r.status for r in rows.values()} == {GRADED}
+    assert sorted(p.name for p in results.iterdir()) == sorted(f"{n}.json" for n in names)
+    assert read_gradebook(book, results).keys() == set(names)
+
+    def not_again(*args):
+        raise AssertionError("a graded student was graded again")
+
+    monkeypatch.setattr(gradebook, "grade_one", not_again)
+    out = tmp_path / "out.txt"
+    with open(out, "w") as log:
+        again = gradebook.grade_class(folder, book, results, options, jobs=2, log=log)
+    assert sorted(again) == names and "7 student(s) already graded" in out.read_text()
+    # a name too long for ``<name>.json`` gets a file name of its own, still one per student
+    long = "x" * 251
+    assert gradebook.results_file(results, long) != gradebook.results_file(results, long[:-1] + "y")
+    assert len(gradebook.results_file(results, long).name.encode()) <= 255
+
+
+@pytest.mark.timeout(30)
+def test_open_class_folders_are_named_before_grading_and_every_grading_hides_them(tmp_path, monkeypatch, capsys):
+    folder, book, results = tmp_path / "class", tmp_path / "marks" / "grades.csv", tmp_path / "results"
+    (folder / "ann").mkdir(parents=True)
+    book.parent.mkdir()
+    for f in (tmp_path, folder, book.parent):
+        f.chmod(0o700)
+    (folder / "ann").chmod(0o755)                               # a student's folder others can read
+    seen = []
+
+    def record(sub, work, path, options, stop):
+        seen.append(options.hide)
+        return Row(sub.name, NO_FILES)
+
+    monkeypatch.setattr(gradebook, "grade_one", record)
+    gradebook.grade_class(folder, book, results, Options(None, None, 20, 4096, 60), jobs=1, log=sys.stdout)
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert warnings == [f"warning: other users can read 1 student folder(s) in {folder} (mode o+r or o+x), and a "
+                        f"submission runs as another user, so where the sandbox cannot hide them it could read "
+                        f"other students' work and scores: run chmod -R o-rwx {folder}"], err
+    assert seen == [[str(folder), str(book.parent), str(results)]]
+    assert stat.S_IMODE(results.stat().st_mode) == 0o700
+    # each student's grading is told to hide them: on its command line, and so in its sandbox's settings
+    cmd = gradebook._command(Path("files"), Path("r.json"), Options(None, None, 20, 4096, 60, hide=seen[0]))
+    assert [cmd[i + 1] for i, part in enumerate(cmd) if part == "--hide"] == seen[0]
+    from toyllm.grading.grader.run import sandbox_settings
+    from toyllm.grading.settings import Settings
+
+    hidden = Settings.from_env(sandbox_settings(4096, None, [Path(p) for p in seen[0]])).hide.split(os.pathsep)
+    assert set(seen[0]) < set(hidden)
+    from toyllm.grading.grader.grade import grade
+
+    with pytest.raises(ValueError, match="holds the course"):
+        grade(folder / "ann", hide=[ROOT.parent])              # an empty mount there would hide the course too
+
+    folder.chmod(0o755)
+    results.chmod(0o711)
+    book.parent.chmod(0o750)
+    (folder / "ann").chmod(0o700)
+    gradebook.grade_class(folder, book, results, Options(None, None, 20, 4096, 60), jobs=1, log=sys.stdout)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and f"can read {folder}, {results} (mode" in warnings[0], warnings
+    assert warnings[0].endswith(f"chmod -R o-rwx {folder} {results}"), warnings
+    # where the gradebook lies in the course's folder, that folder cannot be hidden (the sandbox runs from it)
+    hide, _ = gradebook.private_folders(folder, ROOT / "grades.csv", results)
+    assert hide == [folder, results]
 
 
 @pytest.mark.timeout(30)
@@ -320,23 +502,27 @@ def test_a_class_is_graded_resumed_after_ctrl_c_and_the_hostile_one_changes_no_o
     assert f"{len(graded_before)} student(s) already graded in {book}" in out, out
     assert stamps == {name: (tmp_path / "grades-results" / f"{name}.json").stat().st_mtime_ns for name in graded_before}
     rows = _rows(book)
-    assert sorted(rows) == ["a_hostile", "answers", "empty", "partial", "stray", "stubs", "syntax", "zipped"]
+    assert sorted(rows) == ["a_hostile", "answers", "empty", "partial", "stray", "stubs", "syntax", "zipped.zip"]
     lesson_1 = [ex for ex in rows["answers"] if ex.startswith("1.")]
     lesson_3 = [ex for ex in rows["answers"] if ex.startswith("3.")]
     assert rows["answers"]["total"] == "27", rows["answers"]
     assert all(rows["answers"][ex] != "0" for ex in lesson_1 + lesson_3), rows["answers"]
     assert rows["a_hostile"]["status"] == GRADED and all(rows["a_hostile"][ex] == "" for ex in lesson_1)
-    for name in ("zipped", "stray"):
+    for name in ("zipped.zip", "stray"):
         assert rows[name]["total"] == "15" and rows[name]["status"] == GRADED, (rows[name]["status"], rows[name]["notes"])
     assert (rows["partial"]["total"], rows["stubs"]["total"], rows["syntax"]["total"]) == ("11", "0", "0")
     assert rows["empty"]["status"] == NO_FILES and rows["empty"]["total"] == "0"
-    assert "graded the files in toyllm-student/exercises/" in rows["zipped"]["notes"]
+    assert "graded the files in toyllm-student/exercises/" in rows["zipped.zip"]["notes"]
     assert "ignored 3 file(s)" in rows["stray"]["notes"] and "ex09_extra.py" in rows["stray"]["notes"]
     assert {row["maximum"] for row in rows.values()} == {"27"}
     shown = json.loads((tmp_path / "grades-results" / "stray.json").read_text())["output"]
     assert shown.startswith("ignored 3 file(s)"), shown                   # the student reads it too
     shown = json.loads((tmp_path / "grades-results" / "answers.json").read_text())["output"]
     assert "not graded: ex02, ex04-ex09 (no exNN file for them in answers;" in shown, shown   # not the grader's copy
+    # what a student should not read is the grader's alone: the gradebook and every results file
+    written = [book, *(tmp_path / "grades-results").iterdir()]
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in written} == {p.name: 0o600 for p in written}
+    assert stat.S_IMODE((tmp_path / "grades-results").stat().st_mode) == 0o700
 
 
 @pytest.mark.parametrize("two, word", [
@@ -357,3 +543,52 @@ def test_the_class_timing_target_needs_five_rounds():
     from toyllm.grading.grader.class_timing import target_line
 
     assert target_line([100.0, 101.0], [50.0, 51.0]).startswith("target 1.5x: not decided (2 rounds; a verdict needs 5)")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(os.geteuid() != 0, reason="the submission runs as the grader's own user: only root grades as another")
+def test_a_submission_sees_neither_the_class_nor_the_gradebook_nor_the_results():
+    import shutil
+    import tempfile
+
+    from toyllm.grading.sandbox.launcher import namespaces_work
+    from toyllm.grading.sandbox.process import sandbox_user
+
+    if sandbox_user() is None or not namespaces_work():
+        pytest.skip("no mount namespaces here: the sandbox cannot hide folders")
+    # Not under /tmp, which the sandbox gets a fresh one of, but where it could look: beside the course (build/,
+    # which git ignores), open to every user.
+    made = not (ROOT / "build").exists()
+    (ROOT / "build").mkdir(exist_ok=True)
+    tmp_path = Path(tempfile.mkdtemp(prefix="test-grader-class-", dir=ROOT / "build"))
+    try:
+        _snoop(tmp_path)
+    finally:
+        shutil.rmtree(tmp_path)
+        if made:
+            (ROOT / "build").rmdir()
+
+
+def _snoop(tmp_path: Path) -> None:
+    folder, book = tmp_path / "class", tmp_path / "marks" / "grades.csv"
+    results = book.parent / "grades-results"
+    (folder / "a_answers").mkdir(parents=True)
+    (folder / "a_answers" / "ex03_rooflines.py").write_text(ANSWER_03)
+    make_submission(folder / "b_snooping", "snooping", class_dir=str(folder), results_dir=str(results),
+                    gradebook_dir=str(book.parent), gradebook=str(book))
+    book.parent.mkdir()
+    for f in (tmp_path, folder, *folder.iterdir(), book.parent):
+        f.chmod(0o755)                                 # open to all: only the sandbox's view keeps them out of sight
+    proc = _grade_class(folder, book, "--jobs", "1", "--only", "3.3")
+    out, _ = proc.communicate(timeout=500)
+    assert proc.returncode == 0, out
+    assert f"chmod -R o-rwx {folder}" in out, out      # the warning came first
+    rows = _rows(book)
+    assert rows["a_answers"]["status"] == rows["b_snooping"]["status"] == GRADED, rows
+    assert rows["b_snooping"]["total"] == "0"
+    said = [t["output"] for t in json.loads((results / "b_snooping.json").read_text())["tests"]
+            if "snooped:" in t["output"]]
+    assert said, json.loads((results / "b_snooping.json").read_text())
+    for secret in ("a_answers", "b_snooping", "grades.csv", "graded", "score", "grades-results'"):
+        assert all(secret not in text for text in said), (secret, said)

@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-mb", type=int, default=DEFAULT_MEMORY_MB, metavar="MB",
                         help=f"address-space limit of the submission's process in MiB, {MIN_MEMORY_MB} to this "
                              f"machine's memory (default: {DEFAULT_MEMORY_MB})")
+    parser.add_argument("--hide", action="append", default=None, metavar="DIR",
+                        help="a folder the submission must not see (repeatable); grade --class names its "
+                             "submissions, gradebook and results folders so for each student")
     group = parser.add_argument_group("a whole class (docs/grading.md, 'Grading a class')")
     group.add_argument("--class", dest="class_dir", default=None, metavar="SUBMISSIONS",
                        help="grade every student of this folder: one folder or .zip per student, named by the student")
@@ -91,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         report = grade(args.impl, only=only, extra_tests=args.extra_tests, results_path=args.results,
                        per_test_timeout_s=args.timeout, verbose=True, memory_limit_mb=args.memory_mb,
-                       template=True)
+                       template=True, hide=args.hide)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ...course import NAMED_IMPLS, current_impl, grading_tests_dir, resolve_impl
 from .report import GradeReport, explain, format_points
-from .run import GradingError, close_standby, open_to_others, private_copy_of_tests, run_lesson
+from .run import GradingError, close_standby, hideable, open_to_others, private_copy_of_tests, run_lesson
 from ..sandbox.process import DEFAULT_MEMORY_MB, isolation, namespaces_work, sandbox_user
 from .selection import held_lessons, lesson_files, lesson_ranges, select
 from ..sandbox.submission import read_submission
@@ -29,7 +29,8 @@ from ..sandbox.submission import read_submission
 def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = None,
           extra_tests: str | os.PathLike | None = None, results_path: str | os.PathLike | None = None,
           per_test_timeout_s: float = 20, verbose: bool = False,
-          memory_limit_mb: int = DEFAULT_MEMORY_MB, keep_warm: bool = False, template: bool = False) -> GradeReport:
+          memory_limit_mb: int = DEFAULT_MEMORY_MB, keep_warm: bool = False, template: bool = False,
+          hide: list[str | os.PathLike] | None = None) -> GradeReport:
     """Run the graded tests against ``impl`` and score them.
 
     impl: "exercises", "solutions" or a folder with a student's exNN_*.py files.
@@ -49,6 +50,9 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
       process becomes a child subreaper (what is orphaned below it comes
       back to it), so it suits a process that grades and ends, as
       ``python -m toyllm grade`` does.
+    hide: more folders the submission must not see, beside the graded and hidden tests and the model
+      answers (``grade --class`` names the class's submissions, gradebook and results folders). A folder
+      that holds the course or Python cannot be hidden: ValueError.
 
     One pytest subprocess per lesson, one sandbox process for the
     submission beside it. A test whose call crashed the submission's process
@@ -70,6 +74,11 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
         if sandbox_user() is not None and not namespaces_work() and open_to_others(extra_dir):
             raise ValueError(f"the hidden tests in {extra_dir} can be read by every user, so also by the "
                              f"submission (it runs as an unprivileged user): chmod -R o-rwx {extra_dir}")
+    hidden = [Path(p).expanduser().resolve() for p in hide or ()]
+    for folder in hidden:
+        if not hideable(folder):
+            raise ValueError(f"--hide {folder}: it holds the course, Python or the temporary folder, which the "
+                             f"submission needs; give a folder that holds none of them")
     local = lesson_files(grading_tests_dir())
     pending, wanted, only_exercises = select(only, local, extra_dir)
     if results_path is not None:
@@ -96,7 +105,7 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
         tmp = Path(tmp)
         private_local, private_extra = private_copy_of_tests(tmp, extra_dir)
         settings = dict(impl_env=impl_env, timeout_s=per_test_timeout_s, tmp=tmp, memory_mb=memory_limit_mb,
-                        extra_dir_original=extra_dir, template=template)
+                        extra_dir_original=extra_dir, template=template, hide=tuple(hidden))
         while pending:
             lesson = pending.pop(0)
             files = [private_local / local[lesson].name] if lesson in local else []

@@ -32,6 +32,20 @@ def open_to_others(folder: Path) -> bool:
     return True
 
 
+def needed_by_sandbox() -> list[Path]:
+    """The folders the sandbox runs from: the course, Python and what it imports, the temporary folder."""
+    paths = [course_root(), Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix),
+             Path(sys.executable).parent, Path(tempfile.gettempdir())]
+    paths += [Path(p) for p in sys.path if p and os.path.isdir(p)]
+    return [p.resolve() for p in paths]
+
+
+def hideable(folder: Path) -> bool:
+    """Whether ``folder`` can be hidden from the sandbox (an empty mount over it): it holds none of
+    ``needed_by_sandbox``. ``folder`` is resolved."""
+    return all(folder != need and folder not in need.parents for need in needed_by_sandbox())
+
+
 # The reaper: a process of its own session that removes the grader's folders once the grader has ended,
 # however it ended (SIGKILL runs no clean-up in the grader). It reads the folders' paths, NUL-separated,
 # from a pipe whose only writer is the grader, and the pipe closes when the grader dies. Processes of
@@ -84,11 +98,15 @@ _FIXED = {**Settings(sandbox="1").to_env(), "PYTHONHASHSEED": "0",
           "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}   # only the plugins named on the command line
 
 
-def sandbox_settings(memory_mb: int, extra_dir_original: Path | None) -> dict[str, str]:
-    """The environment of a trusted pytest process that does not change from one lesson or check to the next."""
+def sandbox_settings(memory_mb: int, extra_dir_original: Path | None, also_hide=()) -> dict[str, str]:
+    """The environment of a trusted pytest process that does not change from one lesson or check to the next.
+
+    also_hide: more folders the submission must not see (``grade --hide``: a class's submissions, gradebook
+    and results, which ``grade --class`` names for each student)."""
     hide = [grading_tests_dir().parent, extra_dir_original]
     if (course_root() / "solutions").is_dir():
         hide.append(solutions_dir())                      # the sandbox gets its own copies, minus the graded answer
+    hide.extend(Path(p) for p in also_hide)
     return Settings(course=str(course_root()), memory_mb=str(memory_mb),
                     hide=os.pathsep.join(str(p) for p in hide if p is not None),
                     fast=Settings.from_env(os.environ).fast or "").to_env()
@@ -159,12 +177,13 @@ def close_standby() -> None:
 def run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env: str, timeout_s: float,
                 tmp: Path, memory_mb: int, exercises: set[str] | None = None,
                 extra_dir_original: Path | None = None, warm: bool = False,
-                template: bool = False) -> tuple[list[TestResult], set[int]]:
+                template: bool = False, hide=()) -> tuple[list[TestResult], set[int]]:
     """One pytest process for one lesson; returns its results and every lesson its collection saw.
 
     warm: start a standby pytest process for the next lesson or check while this one runs (and use
     the one a previous call started, if its settings fit).
     template: start each as a copy of the grading's template (``standby.from_template``).
+    hide: more folders the submission must not see (``sandbox_settings``).
     """
     log = tmp / f"ex{lesson:02d}.jsonl"
     out = tmp / f"ex{lesson:02d}.out"
@@ -175,7 +194,7 @@ def run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env:
     # The grader's own folder (tmp) is not listed: it is the grader's alone (mode 0700), and in a
     # namespace it lies under the sandbox's fresh /tmp anyway; so the settings stay the same from one
     # check to the next, and a standby started for one fits the next.
-    settings = sandbox_settings(memory_mb, extra_dir_original)
+    settings = sandbox_settings(memory_mb, extra_dir_original, hide)
     run = Settings(impl=impl_env, log=str(log), lesson=str(lesson), timeout=f"{timeout_s:g}",
                    exercises=",".join(sorted(exercises or ())), scratch=str(tmp)).to_env()
     global _standby
