@@ -112,3 +112,43 @@ def test_a_copied_standby_and_its_template_die_with_a_killed_grader():
     found = _grade_and_report("template", then="kill")
     assert found["kind"] == "_Forked"
     assert _gone(found["pid"]) and _gone(found["template"]), "SIGKILL runs no clean-up: they must end on their own"
+
+
+# Exercise 3.1 of a submission that reads its own memory for a token, given shifted by one byte so that the file
+# itself holds no copy of it, and says what it found in its error.
+MEMORY_READER = textwrap.dedent('''
+    def matmul_intensity(B, D, F, bytes_per_value=2):
+        import ctypes
+        shift = bytes((i + 1) % 256 for i in range(256))
+        with open("/proc/self/maps") as maps:
+            regions = [line.split() for line in maps]
+        for fields in regions:
+            if not fields[1].startswith("rw") or (len(fields) > 5 and fields[5].startswith(("/", "[v"))):
+                continue
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if SHIFTED in ctypes.string_at(start, end - start).translate(shift):
+                raise RuntimeError(f"the token is in {fields[5] if len(fields) > 5 else 'anonymous'} memory")
+        raise RuntimeError("the token is nowhere in this process")
+''')
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_token_in_the_graders_environment_is_in_no_page_a_sandbox_can_read(tmp_path):
+    """The template, the standby copied from it and the sandbox copied from that start with the grading's own
+    variables and ``Settings``' ``PASSED_ON`` only: a sandbox finds nothing of the instructor's shell."""
+    token = "instructor-token-" + os.urandom(12).hex()
+    shifted = token.encode().translate(bytes((i + 1) % 256 for i in range(256)))
+    source = (ROOT / "solutions" / "ex03_rooflines.py").read_text()
+    (tmp_path / "ex03_rooflines.py").write_text(f"{source}\n\nSHIFTED = {shifted!r}\n{MEMORY_READER}")
+    script = textwrap.dedent("""
+        import json, sys
+        from toyllm.grading import grade
+        report = grade(sys.argv[1], only="3.1", template=True)
+        print(json.dumps([t.output for t in report.tests]))
+    """)
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                         timeout=240, cwd=ROOT, env={**os.environ, "INSTRUCTOR_TOKEN": token})
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = json.loads(out.stdout.splitlines()[-1])
+    assert said and all("the token is nowhere in this process" in text for text in said), said

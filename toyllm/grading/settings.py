@@ -131,5 +131,20 @@ class Settings:
         return {variable: getattr(self, name) for name, variable in _VARIABLES.items()
                 if getattr(self, name) is not None}
 
+    @staticmethod
+    def trusted_environment(env: Mapping[str, str]) -> dict[str, str]:
+        """What of ``env`` (the grading process's, ``os.environ``) the grader's own processes start with: the
+        grading's variables and ``PASSED_ON``, nothing else. The trusted pytest processes, the template they
+        are copied from and the zygote the sandboxes are copied from all start so, since a copy keeps its
+        parent's memory: a token in the instructor's shell must not be in a page a submission can read."""
+        return {k: v for k, v in env.items() if k in PASSED_ON or k in _VARIABLES.values()}
+
 
 _VARIABLES = {f.name: f.metadata["variable"] for f in dataclasses.fields(Settings)}
+
+# The rest of the grading process's environment that its own processes keep (``trusted_environment``): where
+# programs, libraries and temporary files are, the language, the Python that runs, and how many threads PyTorch's
+# OpenMP takes and how they wait.
+PASSED_ON = frozenset({"PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "LC_CTYPE", "LD_LIBRARY_PATH", "PYTHONPATH",
+                       "VIRTUAL_ENV", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS",
+                       "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_"})

@@ -126,9 +126,10 @@ class Standby:
         self.settings = settings
         self.home = Path(tempfile.mkdtemp(prefix="toyllm-standby-"))
         remove_when_gone(self.home)
-        env = {**os.environ, **settings, **_FIXED, **Settings(scratch=str(self.home)).to_env()}
+        env = {**Settings.trusted_environment(os.environ), **settings, **_FIXED,
+               **Settings(scratch=str(self.home)).to_env()}
         # The interpreter's own settings (the hash seed) are fixed when it starts: the trusted processes' own.
-        zygote = _template.get(lambda: Zygote.start({**os.environ, **_FIXED})) \
+        zygote = _template.get(lambda: Zygote.start({**Settings.trusted_environment(os.environ), **_FIXED})) \
             if template and become_subreaper() else None
         self.proc = zygote and zygote.launch_module("toyllm.grading.grader.standby", ["--from-template"], env,
                                                     self.home)
@@ -207,7 +208,7 @@ def run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env:
     if standby is not None:
         proc = standby.claim(cmd[3:], run, tmp, out)
     else:
-        env = dict(os.environ, **settings, **run, **_FIXED)
+        env = {**Settings.trusted_environment(os.environ), **settings, **run, **_FIXED}
         with open(out, "wb") as sink:
             proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=sink, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
