@@ -17,7 +17,7 @@ CHECK_PY = @$(PY) -c 'import sys; v = sys.version_info[:3]; sys.exit(0 if (3, 11
 	  "toyllm needs Python 3.11.5 or a later 3.11 (requirements.lock is resolved for it); %s is Python %d.%d.%d. Install one (e.g. with pyenv) and run make PY=/path/to/python3.11 ..." % (sys.executable, *v))'
 CHROMIUM_HINT := the browser test needs Debian's Chromium and its driver: apt-get install chromium chromium-driver
 
-.PHONY: setup demo test test-browser gpu-check lab bench exercises student autograder lock clean
+.PHONY: setup demo check test test-browser gpu-check lab bench exercises student autograder lock clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,12 @@ $(STAMP): $(LOCK) Makefile
 
 demo: setup
 	$(PYTHON) -m toyllm demo
+
+# The fast tier, for every edit (about a minute): the tests that start no process (TOYLLM_CHECK=1 fails any
+# test that tries), run no notebook and open no browser. pyproject.toml's markers name the other slices.
+FAST_TIER := not slow and not engine and not grader and not notebook and not browser and not gpu
+check: setup
+	TOYLLM_CHECK=1 TOYLLM_IMPL=solutions TOYLLM_FAST=1 $(PYTHON) -m pytest tests -q -m "$(FAST_TIER)" --durations=5
 
 # The whole suite, notebooks included, against the model answers. The browser test (the notebooks in
 # JupyterLab in a headless Chromium) runs last, or is skipped with the install command when Chromium is missing.

@@ -1,8 +1,34 @@
-"""Shared fixtures. The SmolLM2 weights are read once per test session."""
+"""Shared fixtures. The SmolLM2 weights are read once per test session.
+
+``make check`` (``TOYLLM_CHECK=1``) is the fast tier: the tests that start no process. There every way of
+starting one fails the test that tried, with the markers that take such a test out of the tier.
+"""
+import os
+
 import pytest
 import torch
 
 torch.set_grad_enabled(False)
+
+CHECK_ENV = "TOYLLM_CHECK"
+_SLICES = "slow, engine, grader, notebook, browser or gpu"
+
+
+def _refused(*args, **kwargs):
+    raise RuntimeError(f"make check starts no process: mark this test {_SLICES} (pyproject.toml's markers)")
+
+
+@pytest.fixture(autouse=True)
+def _no_process_in_the_fast_tier(monkeypatch):
+    """Under ``make check``: a test that starts a process (subprocess, multiprocessing, fork) fails at once."""
+    if os.environ.get(CHECK_ENV) == "1":
+        import multiprocessing.process
+        import subprocess
+
+        monkeypatch.setattr(subprocess.Popen, "__init__", _refused)
+        monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refused)
+        monkeypatch.setattr(os, "fork", _refused)
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -287,6 +287,7 @@ def test_a_failed_write_of_the_results_leaves_no_file_behind(monkeypatch, tmp_pa
     assert [p.name for p in tmp_path.iterdir()] == ["results.json"]          # no .results-*.json left beside it
 
 
+@pytest.mark.engine
 def test_a_failed_write_of_the_benchmarks_leaves_no_file_behind(monkeypatch, tmp_path):
     for name, value in toyllm.bench.RESIDENT_HEAP_ENV.items():
         monkeypatch.setenv(name, value)          # no re-run of the command in a fresh process
@@ -373,6 +374,7 @@ def test_the_cli_names_a_truncated_model_file_in_one_line(capsys, no_workers, mo
 
 # --------------------------------------------------------------------------- user errors vs failures and bugs
 
+@pytest.mark.engine
 def test_a_user_error_is_one_line_from_the_real_command():
     out = subprocess.run([sys.executable, "-m", "toyllm", "prefill", "--model", "tiny", "--context", "5000"],
                          capture_output=True, text=True, timeout=120)
@@ -400,6 +402,7 @@ def _workers_joined(pid: int) -> list[int]:
     return joined if len(joined) >= 2 else []
 
 
+@pytest.mark.engine
 @pytest.mark.needs("5.2")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
@@ -486,6 +489,7 @@ def test_sampling_parameters_must_be_finite():
         check_sampling(1.0, top_p=math.nan)
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(180)
 def test_a_bad_request_to_a_running_pool_leaves_it_usable():
     with WorkerPool(2, timeout_s=60) as pool:
@@ -503,6 +507,7 @@ def test_a_bad_request_to_a_running_pool_leaves_it_usable():
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_to_the_bench_command_stops_its_re_run_too(tmp_path, sig):

@@ -85,6 +85,7 @@ def fake_llama(tmp_path, monkeypatch):
     return start
 
 
+@pytest.mark.engine
 def test_decode_and_prefill_replies_parse(fake_llama):
     with fake_llama() as llama:
         assert llama.version == "0.0-fake" and "FAKE = 1" in llama.system_info and llama.threads == 2
@@ -100,6 +101,7 @@ def test_decode_and_prefill_replies_parse(fake_llama):
     assert proc.poll() == 0                                      # quit on leaving the block
 
 
+@pytest.mark.engine
 def test_a_worker_that_dies_gives_an_error_naming_it(fake_llama):
     with fake_llama("die_step") as llama:
         with pytest.raises(LlamaCppError) as info:
@@ -111,6 +113,7 @@ def test_a_worker_that_dies_gives_an_error_naming_it(fake_llama):
             llama.prefill([1])
 
 
+@pytest.mark.engine
 def test_a_hung_worker_hits_the_timeout_and_is_stopped(fake_llama):
     with fake_llama("hang", timeout_s=1) as llama:
         t0 = time.monotonic()
@@ -120,6 +123,7 @@ def test_a_hung_worker_hits_the_timeout_and_is_stopped(fake_llama):
         assert llama._proc.poll() is not None
 
 
+@pytest.mark.engine
 def test_without_llama_cpp_the_install_sentence(monkeypatch, tmp_path):
     monkeypatch.delenv(LLAMA_PYTHON_ENV, raising=False)
     monkeypatch.setattr(llama_mod.importlib.util, "find_spec", lambda name: None)
@@ -137,6 +141,7 @@ def test_without_llama_cpp_the_install_sentence(monkeypatch, tmp_path):
     assert llama is None and "could not start the llama.cpp worker" in why and "no-such-python" in why
 
 
+@pytest.mark.engine
 def test_the_weight_formats_take_turns_with_llama_cpp(fake_llama, monkeypatch):
     import toyllm.weights
     from toyllm.bench.decode import smollm2_formats
@@ -232,6 +237,7 @@ def test_the_llama_prefill_section_renders_with_and_without_llama_cpp():
     assert "No llama.cpp column in this run. llama.cpp is not installed" in text and "| 8192 | 27.500" in text
 
 
+@pytest.mark.engine
 def test_the_llama_prefill_section_takes_turns_and_survives_a_dying_llama(fake_llama, monkeypatch):
     """The section's loop with its toyllm runs stubbed (no worker processes): llama.cpp's runs come in per
     round beside toyllm's, and a llama.cpp that dies loses its column, not the section."""

@@ -242,6 +242,7 @@ def test_generation_and_weight_cells_show_their_rounds_and_decide_from_them():
     assert "PyTorch CPU capability AVX2" in text
 
 
+@pytest.mark.engine
 def test_a_long_run_keeps_what_was_written_to_the_file_meanwhile(monkeypatch, tmp_path):
     """run_benchmarks reads the file when it writes: an edit (or another run) during the work survives."""
     import toyllm.bench as bench

@@ -59,6 +59,7 @@ def test_bad_input_exits_2_with_one_clear_line(capsys, argv, message):
     assert err.startswith("error: ") and pytest.importorskip("re").search(message, err)
 
 
+@pytest.mark.engine
 @pytest.mark.needs("5.2")
 @pytest.mark.timeout(120)
 def test_prefill_json_check(capsys):
@@ -70,6 +71,7 @@ def test_prefill_json_check(capsys):
     assert single["first_token"] == out["first_token"] == out["decoded"][0]
 
 
+@pytest.mark.engine
 @pytest.mark.needs("5.2")
 @pytest.mark.timeout(120)
 def test_search_builds_a_table_that_prefill_uses(capsys, tmp_path):
@@ -94,6 +96,7 @@ def test_search_builds_a_table_that_prefill_uses(capsys, tmp_path):
                                   "--context 768 ")
 
 
+@pytest.mark.engine
 @pytest.mark.needs("5.2")
 @pytest.mark.timeout(120)
 def test_measured_search_runs_real_processes(capsys):

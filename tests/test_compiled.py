@@ -19,6 +19,7 @@ def tiny_models():
     return {fmt: load_model("tiny", weights=fmt)[0] for fmt in ("fp32", "fp16", "int8", "int4")}
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("fmt", ["fp32", "fp16", "int8", "int4"])
 def test_compiled_steps_give_the_eager_tokens_and_logits(tiny_models, fmt):
     model = tiny_models[fmt]
@@ -33,6 +34,7 @@ def test_compiled_steps_give_the_eager_tokens_and_logits(tiny_models, fmt):
         torch.testing.assert_close(a, b, atol=atol, rtol=0)
 
 
+@pytest.mark.engine
 def test_a_second_call_reuses_the_compiled_step(tiny_models):
     model = tiny_models["fp32"]
     first = compiled_decoder(model, len(PROMPT) + 12)
@@ -44,6 +46,7 @@ def test_a_second_call_reuses_the_compiled_step(tiny_models):
     assert generate(model, other, 12, compile=True).output_ids == generate(model, other, 12).output_ids
 
 
+@pytest.mark.engine
 def test_a_batch_compiles_for_its_size(tiny_models):
     model = tiny_models["fp32"]
     prompts = [PROMPT, PROMPT[::-1]]
@@ -147,6 +150,7 @@ def test_the_weights_section_shows_compiled_steps_and_the_llama_target_from_the_
            render_section("weights", {**data, "rows": [quick]})
 
 
+@pytest.mark.engine
 def test_ahead_of_time_gives_the_eager_tokens_and_refuses_python_kernels(tiny_models):
     model = tiny_models["int4"]
     eager = generate(model, PROMPT, 8, return_logits=True)

@@ -44,6 +44,7 @@ def reference(model):
 
 # --------------------------------------------------------------------------- real shipping
 
+@pytest.mark.engine
 @pytest.mark.needs("8.4")
 @pytest.mark.timeout(120)
 def test_a_shipped_cache_arrives_bit_for_bit_and_decodes_the_same_tokens(model, reference):
@@ -59,6 +60,7 @@ def test_a_shipped_cache_arrives_bit_for_bit_and_decodes_the_same_tokens(model, 
     assert len(r.decode_step_s) == 5 and r.verdict.word == "undecided"          # 2 rounds cannot decide
 
 
+@pytest.mark.engine
 @pytest.mark.needs("8.4", "5.2")
 @pytest.mark.timeout(180)
 def test_a_kv_runahead_prefill_ships_its_last_ranks_cache_in_one_message(model, reference):
@@ -71,6 +73,7 @@ def test_a_kv_runahead_prefill_ships_its_last_ranks_cache_in_one_message(model, 
     assert r.prefill_ranks == 2 and len(r.prefill_runs) == len(r.transfer_runs) == 1
 
 
+@pytest.mark.engine
 @pytest.mark.needs("8.4", "9.1", "9.2", "9.3")
 @pytest.mark.timeout(180)
 def test_a_ring_prefill_ships_the_shards_gathered_on_its_last_rank(model, reference):

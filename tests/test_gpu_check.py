@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 no_gpu = pytest.mark.skipif(cuda_status() is None, reason="a CUDA GPU is here: make gpu-check runs the GPU tests")
 
 
+@pytest.mark.engine
 @no_gpu
 def test_make_gpu_check_without_a_gpu_says_so_and_exits_0():
     # -o setup: the venv running this test is the one to use; never reinstall it from here
@@ -38,6 +39,7 @@ def test_make_gpu_check_without_a_gpu_says_so_and_exits_0():
     assert cuda_status() in out.stdout and "passed" not in out.stdout and "skipped" not in out.stdout
 
 
+@pytest.mark.engine
 @no_gpu
 @pytest.mark.parametrize("marker", [[], ["-m", "gpu"]], ids=["all", "marked-gpu"])
 def test_the_gpu_tests_are_collected_and_skipped_with_the_reason(marker):

@@ -1721,6 +1721,7 @@ def test_every_kind_of_mistake_loses_points(tmp_path, exercise, mistake, old, ne
         assert not why.startswith("AssertionError: assert "), why
 
 
+@pytest.mark.grader
 @pytest.mark.parametrize("exercise, way, source", RIGHT, ids=[f"{r[0]} {r[1]}" for r in RIGHT])
 def test_every_correct_alternative_keeps_full_marks(tmp_path, exercise, way, source):
     outcomes = _run_exercise(_variant(tmp_path, exercise, source, None), exercise)

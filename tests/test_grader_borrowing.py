@@ -74,6 +74,7 @@ def scan(encoded):
 '''
 
 
+@pytest.mark.grader
 @pytest.mark.timeout(600)
 def test_no_sandbox_holds_any_model_answer_whatever_exercise_it_serves(tmp_path, monkeypatch):
     """A sandbox serving each exercise of the course in turn; the scan finds no line of any model answer.

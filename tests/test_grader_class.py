@@ -363,6 +363,7 @@ def test_a_students_grading_process_starts_without_importing_torch():
     assert out.stdout.strip().splitlines()[-1] == "False", out.stdout
 
 
+@pytest.mark.grader
 def test_a_grading_that_stops_or_runs_too_long_gets_a_row_that_says_so(tmp_path):
     student = tmp_path / "ann"
     student.mkdir()
@@ -382,6 +383,7 @@ def test_a_grading_that_stops_or_runs_too_long_gets_a_row_that_says_so(tmp_path)
 
 # --------------------------------------------------------------------------- the Gradescope zip
 
+@pytest.mark.grader
 @pytest.mark.timeout(60)
 def test_the_autograder_zip_holds_the_scripts_the_course_and_the_hidden_tests(tmp_path):
     hidden = tmp_path / "hidden"

@@ -69,6 +69,7 @@ def _call(box: Sandbox, name: str, *args):
     return box.call(("exercise", "ex01", name), args, {}, f"{name}()")
 
 
+@pytest.mark.grader
 @pytest.mark.timeout(180)
 def test_a_forked_sandbox_holds_its_own_socket_and_no_other(sandbox):
     found = _call(sandbox, "descriptors")
@@ -78,12 +79,14 @@ def test_a_forked_sandbox_holds_its_own_socket_and_no_other(sandbox):
     assert set(found) == {0, 1, 2, 3}, found
 
 
+@pytest.mark.grader
 @pytest.mark.timeout(180)
 def test_a_forked_sandbox_has_no_module_of_the_tests_or_the_answers(sandbox):
     folders = [str(ROOT / "tests"), str(ROOT / "solutions")]
     assert _call(sandbox, "modules_from", *folders) == []
 
 
+@pytest.mark.grader
 @pytest.mark.timeout(180)
 def test_each_forked_sandbox_draws_its_own_random_numbers(sandbox):
     first = _call(sandbox, "draw")
@@ -93,6 +96,7 @@ def test_each_forked_sandbox_draws_its_own_random_numbers(sandbox):
     assert first != second
 
 
+@pytest.mark.grader
 @pytest.mark.timeout(180)
 def test_a_forked_sandbox_has_the_answer_marks_the_grader_reads_and_skips_the_zygotes_objects(sandbox):
     """The zygote reads the marks from toyllm's source and freezes what it imported, once for every copy."""
@@ -102,6 +106,7 @@ def test_a_forked_sandbox_has_the_answer_marks_the_grader_reads_and_skips_the_zy
     assert _call(sandbox, "frozen") > 10_000, "torch's objects are frozen: the copy's collections skip them"
 
 
+@pytest.mark.grader
 @pytest.mark.timeout(180)
 def test_a_zygote_that_died_gives_way_to_a_fresh_python(sandbox):
     assert _call(sandbox, "draw") is not None and isinstance(sandbox.proc, _Forked)

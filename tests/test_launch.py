@@ -50,6 +50,7 @@ def assert_no_workers_left(pids=(), pid_dir: Path | None = None) -> None:
 # ----------------------------------------------------------------------------
 # run_parallel
 
+@pytest.mark.engine
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("p", [1, 2, 3])
 def test_run_parallel_returns_per_rank_results_in_order(p):
@@ -61,6 +62,7 @@ def test_run_parallel_returns_per_rank_results_in_order(p):
     assert_no_workers_left(pids)
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(60)
 def test_run_parallel_passes_args_kwargs_and_returns_cpu_tensors():
     out = run_parallel(W.scaled_rank, 2, args=(10.0,), kwargs={"offset": 1.0}, backend="gloo", timeout_s=50)
@@ -69,6 +71,7 @@ def test_run_parallel_passes_args_kwargs_and_returns_cpu_tensors():
     torch.testing.assert_close(out[1], torch.tensor([11.0, 2.0]))
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("fail", [False, True])
 def test_what_the_workers_ran_is_recorded_in_the_parent(fail):
@@ -90,6 +93,7 @@ def test_what_the_workers_ran_is_recorded_in_the_parent(fail):
     answers.ran.clear()
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(40)
 def test_rank_that_raises_fails_the_run_with_its_traceback(tmp_path):
     with pytest.raises(WorkerError) as info:
@@ -107,6 +111,7 @@ def test_rank_that_raises_fails_the_run_with_its_traceback(tmp_path):
     assert_no_workers_left(pid_dir=tmp_path)
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(40)
 def test_hanging_rank_hits_the_wall_clock_limit(tmp_path):
     with pytest.raises(TimeoutError, match=r"limit of 8 s"):
@@ -114,6 +119,7 @@ def test_hanging_rank_hits_the_wall_clock_limit(tmp_path):
     assert_no_workers_left(pid_dir=tmp_path)
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(40)
 def test_rank_that_exits_without_exception_is_detected(tmp_path):
     with pytest.raises(WorkerError) as info:
@@ -190,6 +196,7 @@ def test_auto_backend_is_gloo_without_gpus():
 # ----------------------------------------------------------------------------
 # WorkerPool
 
+@pytest.mark.engine
 @pytest.mark.timeout(60)
 def test_pool_reuses_its_processes_across_tasks():
     with WorkerPool(2, timeout_s=50) as pool:
@@ -210,6 +217,7 @@ def test_pool_reuses_its_processes_across_tasks():
         pool.run(W.rank_info)
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(60)
 def test_a_bad_request_to_a_running_pool_is_rejected_and_the_pool_goes_on():
     with WorkerPool(2, timeout_s=50) as pool:
@@ -230,6 +238,7 @@ def test_a_bad_request_to_a_running_pool_is_rejected_and_the_pool_goes_on():
     assert_no_workers_left(pids)
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(40)
 def test_failure_in_pool_raises_and_closes_it(tmp_path):
     pool = WorkerPool(2, timeout_s=30)
@@ -245,6 +254,7 @@ def test_failure_in_pool_raises_and_closes_it(tmp_path):
     pool.close()   # still fine
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(40)
 def test_pool_task_timeout_kills_the_pool(tmp_path):
     pool = WorkerPool(2, timeout_s=30)
@@ -254,6 +264,7 @@ def test_pool_task_timeout_kills_the_pool(tmp_path):
     assert_no_workers_left(pool.pids, tmp_path)
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(40)
 def test_forgotten_pool_is_cleaned_up_by_garbage_collection():
     pool = WorkerPool(1, timeout_s=30)
@@ -267,6 +278,7 @@ def test_forgotten_pool_is_cleaned_up_by_garbage_collection():
 # ----------------------------------------------------------------------------
 # torchrun and small utilities
 
+@pytest.mark.engine
 @pytest.mark.timeout(90)
 def test_torchrun_script_with_init_from_env():
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
@@ -329,6 +341,7 @@ def _all_gone(pids, within_s: float = 10.0) -> bool:
     return True
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(120)
 def test_processes_a_worker_starts_end_with_the_pool(tmp_path):
     with WorkerPool(2, timeout_s=60) as pool:
@@ -337,6 +350,7 @@ def test_processes_a_worker_starts_end_with_the_pool(tmp_path):
     assert _all_gone(pids), "a process started by a worker outlived the pool"
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(120)
 def test_workers_that_ignore_sigterm_are_still_ended():
     pool = WorkerPool(2, timeout_s=60)
@@ -346,6 +360,7 @@ def test_workers_that_ignore_sigterm_are_still_ended():
     assert _all_gone(pids)
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(120)
 def test_an_interrupted_shutdown_can_be_finished_with_close(monkeypatch):
     import toyllm.launch as launch
@@ -366,6 +381,7 @@ def test_an_interrupted_shutdown_can_be_finished_with_close(monkeypatch):
     assert _all_gone(pids)
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(120)
 def test_a_killed_idle_worker_shows_in_repr_and_fails_the_next_run():
     import signal as sig

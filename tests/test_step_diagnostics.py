@@ -32,6 +32,7 @@ def _failure(path: Path, function: str, method: str) -> str:
     return info.value.traceback.strip().splitlines()[-1]
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(180)
 def test_a_kvr_step_that_passes_on_only_its_own_keys_is_named_by_rank_layer_and_count(tmp_path):
     path = _step_file(tmp_path, "ex05_kv_runahead.py",
@@ -45,6 +46,7 @@ def test_a_kvr_step_that_passes_on_only_its_own_keys_is_named_by_rank_layer_and_
     assert "s_1 + c_1 = 20 + 6" in last and "the grown one" in last, last
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(180)
 def test_a_shape_error_inside_a_tsp_step_names_the_rank_layer_and_the_students_line(tmp_path):
     path = _step_file(tmp_path, "ex04_tsp.py", "out = layer.attend(q, k_all, v_all, pos.q_pos, k_pos, attention)",

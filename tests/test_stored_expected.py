@@ -62,6 +62,7 @@ def filled(built, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_no_reference_body_survives_and_the_values_are_stored(built):
     lessons = 0
@@ -83,6 +84,7 @@ def test_no_reference_body_survives_and_the_values_are_stored(built):
     assert not (built / "tests" / "test_stored_expected.py").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_graded_tests_pass_on_the_answers_and_skip_on_the_stubs(built, filled):
     run = _in_edition(filled, *GRADED)
@@ -95,6 +97,7 @@ def test_the_graded_tests_pass_on_the_answers_and_skip_on_the_stubs(built, fille
     assert "needs Exercise 8.3" in stubs.stdout and "needs Exercise 5.3" in stubs.stdout, stubs.stdout[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_case_the_edition_did_not_store_fails_and_says_why(filled):
     run = _in_edition(filled, GRADED[1], "-k", "ex5_3_other", seed="7")

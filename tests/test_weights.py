@@ -86,6 +86,7 @@ def test_logits_finite(smol):
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.slow                      # SmolLM2 generates a sentence: about 10 s
 def test_greedy_answer_names_paris(smol):
     model, tok = smol
     prompt = tok.encode_chat("What is the capital of France?")

@@ -66,6 +66,7 @@ def run_tsp(engine_run, step, p, chunks, seed=0, n_kv_heads=2, note=""):
              f"should cover the whole context {tuple(k_ref.shape)}")
 
 
+@pytest.mark.engine
 @pytest.mark.exercise("4.2")
 @pytest.mark.points(1)
 @pytest.mark.timeout(180)
@@ -73,6 +74,7 @@ def test_ex4_2_three_ranks_uneven_chunks(ex04, engine_run):
     run_tsp(engine_run, ex04.tsp_layer, 3, [17, 2, 12], seed=1)
 
 
+@pytest.mark.engine
 @pytest.mark.exercise("4.2")
 @pytest.mark.points(1)
 @pytest.mark.timeout(180)
@@ -83,6 +85,7 @@ def test_ex4_2_two_ranks_even_split_and_three_ranks_on_drawn_chunks(ex04, engine
     run_tsp(engine_run, ex04.tsp_layer, 3, chunks, seed=rng.randrange(10**6), note=str(drawn))
 
 
+@pytest.mark.engine
 @pytest.mark.exercise("4.2")
 @pytest.mark.points(2)
 @pytest.mark.timeout(180)

@@ -16,6 +16,7 @@ from toyllm.utils import random_prompt
 
 # --------------------------------------------------------------------------- 5.1
 
+@pytest.mark.engine
 @pytest.mark.exercise("5.1")
 @pytest.mark.points(1)
 @pytest.mark.timeout(180)
@@ -23,6 +24,7 @@ def test_ex5_1_three_ranks_uneven_chunks(ex05, engine_run):
     engine_run(ex05.kvr_layer_blocking, "5.1", "kvr", 3, [4, 19, 1], seed=3)
 
 
+@pytest.mark.engine
 @pytest.mark.exercise("5.1")
 @pytest.mark.points(1)
 @pytest.mark.timeout(180)
@@ -33,6 +35,7 @@ def test_ex5_1_two_ranks_and_three_ranks_on_drawn_chunks(ex05, engine_run, drawn
                seed=rng.randrange(10**6), note=str(drawn))
 
 
+@pytest.mark.engine
 @pytest.mark.exercise("5.1")
 @pytest.mark.points(2)
 @pytest.mark.timeout(180)
@@ -61,6 +64,7 @@ def _order(result, p):
     return out
 
 
+@pytest.mark.engine
 @pytest.mark.exercise("5.2")
 @pytest.mark.points(1)
 @pytest.mark.timeout(180)
@@ -71,6 +75,7 @@ def test_ex5_2_three_ranks_uneven_and_drawn_chunks_give_equal_logits(ex05, engin
                note=str(drawn))
 
 
+@pytest.mark.engine
 @pytest.mark.exercise("5.2")
 @pytest.mark.points(2)
 @pytest.mark.timeout(180)

@@ -148,6 +148,7 @@ def test_ex9_2_queries_that_see_no_key_get_zero_and_minus_infinity(ex09, drawn):
 
 # --------------------------------------------------------------------------- 9.3
 
+@pytest.mark.engine
 @pytest.mark.exercise("9.3")
 @pytest.mark.points(1)
 @pytest.mark.timeout(180)
@@ -158,6 +159,7 @@ def test_ex9_3_two_and_three_ranks_give_equal_logits(ex09, engine_run, drawn):
                seed=rng.randrange(10 ** 6), note=str(drawn))
 
 
+@pytest.mark.engine
 @pytest.mark.exercise("9.3")
 @pytest.mark.points(1)
 @pytest.mark.timeout(180)
@@ -168,6 +170,7 @@ def test_ex9_3_zigzag_and_the_causal_kernel(ex09, engine_run):
                note="the causal kernel")
 
 
+@pytest.mark.engine
 @pytest.mark.exercise("9.3")
 @pytest.mark.points(1)
 @pytest.mark.timeout(180)
@@ -180,6 +183,7 @@ def test_ex9_3_four_ranks_and_decoding_continues(ex09, engine_run):
                                      f"{got.decoded}, one process gives {expected}")
 
 
+@pytest.mark.engine
 @pytest.mark.exercise("9.3")
 @pytest.mark.points(1)
 @pytest.mark.timeout(180)
