@@ -215,6 +215,7 @@ def kernel_spec_manager(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.notebook
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
 def test_notebook_runs_top_to_bottom(path, kernel_spec_manager, monkeypatch, request):
@@ -254,6 +255,7 @@ def test_notebook_runs_top_to_bottom(path, kernel_spec_manager, monkeypatch, req
 
 
 @pytest.mark.slow
+@pytest.mark.notebook
 @pytest.mark.timeout(300)
 def test_parallel_prefill_runs_from_a_jupyter_kernel(kernel_spec_manager):
     """Inside a kernel ``__main__`` is not a file: spawn must still start workers, and a failing rank must
