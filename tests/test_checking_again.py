@@ -38,6 +38,7 @@ def _standby_pid() -> int | None:
     return s.proc.pid if s is not None and s.proc.poll() is None else None
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_claimed_standby_grades_the_file_as_it_is_now(tmp_path):
@@ -58,6 +59,7 @@ def test_a_claimed_standby_grades_the_file_as_it_is_now(tmp_path):
     assert _standby_pid() is None
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_grading_without_keep_warm_leaves_no_process(tmp_path):
@@ -75,6 +77,7 @@ def test_a_grading_without_keep_warm_leaves_no_process(tmp_path):
     assert not left, [p.cmdline() for p in left]
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_standby_nobody_claims_ends_with_its_grader(tmp_path):

@@ -99,6 +99,7 @@ def exercises_graded(tmp_path_factory):
 
 # --------------------------------------------------------------------------- the real exercises
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_solutions_score_full_marks(solutions_graded):
@@ -109,6 +110,7 @@ def test_solutions_score_full_marks(solutions_graded):
     assert results["score"] == results["max_score"] == report.max_score
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_each_exercise_is_worth_the_points_its_docstring_states(solutions_graded):
@@ -118,6 +120,7 @@ def test_each_exercise_is_worth_the_points_its_docstring_states(solutions_graded
     assert set(visible.by_lesson()) == set(LESSONS)
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_untouched_exercises_score_exactly_zero(exercises_graded, solutions_graded):
@@ -133,6 +136,7 @@ def test_untouched_exercises_score_exactly_zero(exercises_graded, solutions_grad
     assert "TOTAL" in proc.stdout and "wrote" in proc.stdout
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_grading_twice_gives_identical_results(solutions_graded):
@@ -142,6 +146,7 @@ def test_grading_twice_gives_identical_results(solutions_graded):
     assert key(again) == key(GradeReport("solutions", [t for t in first.tests if t.lesson == 1 and not t.hidden]))
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_extra_tests_are_picked_up_by_their_exercise_marker(solutions_graded):
@@ -156,6 +161,7 @@ def test_extra_tests_are_picked_up_by_their_exercise_marker(solutions_graded):
     assert all(shown[name] == "after_published" for name in hidden)
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_results_json_follows_the_gradescope_schema(solutions_graded):
@@ -195,6 +201,7 @@ def outputs(report, exercise: str) -> list[str]:
     return [t.output for t in report.tests if t.exercise == exercise]
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_crash_or_a_hang_costs_only_the_test_that_met_it(tmp_path):
@@ -215,6 +222,7 @@ def test_a_crash_or_a_hang_costs_only_the_test_that_met_it(tmp_path):
     assert json.loads(results.read_text())["score"] == report.score == report.max_score - 3 - 1
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_property_of_the_submissions_own_object_is_checked_where_it_lives(tmp_path):
@@ -225,6 +233,7 @@ def test_a_property_of_the_submissions_own_object_is_checked_where_it_lives(tmp_
     assert "is not contiguous" in lost["Exercise 8.2: test_ex8_2_rows_in_token_order"]
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_submission_that_hangs_at_import_costs_one_timeout(tmp_path):
@@ -237,6 +246,7 @@ def test_a_submission_that_hangs_at_import_costs_one_timeout(tmp_path):
     assert report.execution_time_s < 5 * 2 + 30, "each test waited for the import again"
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_partial_submission_gets_partial_credit():
@@ -251,6 +261,7 @@ def test_a_partial_submission_gets_partial_credit():
     assert all(t.status == "error" and "no file for exercise module 'ex03'" in t.output for t in missing)
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_folder_is_graded_on_the_lessons_it_holds_and_the_report_names_the_rest():
@@ -260,6 +271,7 @@ def test_a_folder_is_graded_on_the_lessons_it_holds_and_the_report_names_the_res
     assert "not graded: ex02-ex09 (no exNN file for them in" in shown, shown
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_single_exercise_can_be_graded_on_its_own():
@@ -272,6 +284,7 @@ def test_a_single_exercise_can_be_graded_on_its_own():
         grade("solutions", only="1.x")
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_pytest_impl_option_overrides_the_environment():
@@ -432,6 +445,7 @@ def test_every_graded_test_is_named_after_its_marker():
 
 # --------------------------------------------------------------------------- trust: independence, paths, bytecode
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_step_that_calls_the_engines_own_scores_nothing_and_says_why(tmp_path):
@@ -452,6 +466,7 @@ def test_a_step_that_calls_the_engines_own_scores_nothing_and_says_why(tmp_path)
     assert not list(tmp_path.rglob("__pycache__")), "the grader wrote bytecode beside the submission"
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_wrong_step_fails_with_a_message_naming_the_run(tmp_path):
@@ -498,6 +513,7 @@ def test_messages_are_whole_and_wrapped_and_an_unwritten_exercise_shows_its_hint
     assert shown.strip() == "not written yet: Exercise 3.1: implement matmul_intensity (idea: flops over bytes moved)"
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_check_prints_the_same_words_as_the_command_line_and_returns_nothing(capsys):
@@ -511,6 +527,7 @@ def test_check_prints_the_same_words_as_the_command_line_and_returns_nothing(cap
     assert "not written yet: Exercise 3.1: implement matmul_intensity (idea:" in report.table()
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_deadlocking_step_loses_its_points_and_leaves_no_process(tmp_path):
@@ -536,6 +553,7 @@ def test_a_deadlocking_step_loses_its_points_and_leaves_no_process(tmp_path):
 
 # --------------------------------------------------------------------------- independence and tampering
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_calling_toyllms_own_answer_scores_zero_for_that_exercise_and_says_why(tmp_path):
@@ -565,6 +583,7 @@ def _course_copy(folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(sandbox_user() is None, reason="the grader isolates files from the submission only when it "
@@ -605,6 +624,7 @@ def test_a_submission_cannot_forge_its_score_tamper_with_tests_or_read_them(tmp_
         shutil.rmtree(course)
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_hidden_tests_never_show_their_names_messages_or_prints(tmp_path):
@@ -671,6 +691,7 @@ def _scratch_folders() -> set[str]:
 
 
 @CONTAINED
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_process_that_keeps_reforking_dies_with_its_sandbox_and_temporary_files_vanish(tmp_path):
@@ -692,6 +713,7 @@ def test_a_process_that_keeps_reforking_dies_with_its_sandbox_and_temporary_file
     assert again.by_exercise()["3.1"] == (2, 2)
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("fixture,why", [
@@ -719,6 +741,7 @@ def _serving(grader: subprocess.Popen) -> bool:
     return False
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fixture", ["hanging", "escaping"])

@@ -39,42 +39,15 @@ def answer_lines(per_exercise: int = 3, shortest: int = 28) -> dict[str, list[st
     return {n: sorted(lines, key=len, reverse=True)[:per_exercise] for n, lines in found.items()}
 
 
+READING_MEMORY = ROOT / "tests" / "fixtures" / "submissions" / "reading_memory"
 # Each byte + 1: the needles reach the sandbox encoded, and no transformed copy the scan makes holds one in
 # clear (a rotation by one is not its own inverse), so only what the sandbox held before is found.
 SHIFT = bytes((i + 1) % 256 for i in range(256))
 
-SCANNER = '''import ctypes, gc, sys
-
-SHIFT = bytes((i + 1) % 256 for i in range(256))
-
-
-def scan(encoded):
-    """Which needles this process holds (given shifted by one, returned by number): in a module's name or file,
-    a string constant of a code object the garbage collector knows, or anywhere in its writable memory."""
-    found = set()
-    for name, module in list(sys.modules.items()):
-        where = name + str(getattr(module, "__file__", "") or "")
-        if "solutions" in where or "given" in where:
-            found.add("module " + where)
-    for obj in gc.get_objects():
-        for text in getattr(obj, "co_consts", None) or ():
-            if isinstance(text, str) and len(text) > 20:
-                shifted = text.encode(errors="replace").translate(SHIFT)
-                found.update(i for i, e in enumerate(encoded) if e in shifted)
-    with open("/proc/self/maps") as maps:
-        regions = [line.split() for line in maps]
-    for fields in regions:                 # read in place (ctypes): the sandbox may not open /proc/self/mem
-        if not fields[1].startswith("rw") or (len(fields) > 5 and fields[5].startswith(("/", "[v"))):
-            continue                           # libraries and files are not data; [vvar] and [vsyscall] fault
-        start, end = (int(x, 16) for x in fields[0].split("-"))
-        shifted = ctypes.string_at(start, end - start).translate(SHIFT)
-        found.update(i for i, e in enumerate(encoded) if e in shifted)
-        del shifted
-    return sorted(found, key=str)
-'''
 
 
 @pytest.mark.grader
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_no_sandbox_holds_any_model_answer_whatever_exercise_it_serves(tmp_path, monkeypatch):
     """A sandbox serving each exercise of the course in turn; the scan finds no line of any model answer.
@@ -91,7 +64,8 @@ def test_no_sandbox_holds_any_model_answer_whatever_exercise_it_serves(tmp_path,
     encoded = [n.encode().translate(SHIFT) for n in needles]
     submission = tmp_path / "submission"
     submission.mkdir()
-    (submission / "ex01_naive_generation.py").write_text(SCANNER + f"\nPLANTED = {needles[0]!r}\n")
+    scanner = (READING_MEMORY / "ex01_naive_generation.py").read_text()
+    (submission / "ex01_naive_generation.py").write_text(scanner + f"\nPLANTED = {needles[0]!r}\n")
     monkeypatch.setenv(Settings.variable("impl"), str(submission))
     box = Sandbox(memory_mb=4096)
     try:
@@ -108,6 +82,7 @@ def test_no_sandbox_holds_any_model_answer_whatever_exercise_it_serves(tmp_path,
         box.close()
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_another_exercises_model_answer_earns_nothing(tmp_path):

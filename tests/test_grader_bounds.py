@@ -105,6 +105,7 @@ def test_control_characters_are_written_out_where_outcomes_enter_the_report():
 
 # --------------------------------------------------------------------------- the attacks, graded
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_an_inflating_reply_fails_its_test_and_the_grader_stays_small(tmp_path):
@@ -114,6 +115,7 @@ def test_an_inflating_reply_fails_its_test_and_the_grader_stays_small(tmp_path):
     assert peak < PEAK_RSS_MIB, f"a process of the grader reached {peak} MiB"
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_300_mib_of_prints_keep_the_points_and_the_grader_stays_small(tmp_path):
@@ -122,6 +124,7 @@ def test_300_mib_of_prints_keep_the_points_and_the_grader_stays_small(tmp_path):
     assert peak < PEAK_RSS_MIB, f"a process of the grader reached {peak} MiB"
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_terminal_escapes_in_messages_reach_neither_the_terminal_nor_results_json(tmp_path):
@@ -188,6 +191,7 @@ def assert_nothing_left(started: list[psutil.Process], temp: Path) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_sigkill_to_the_grader_leaves_no_copy_of_the_hidden_tests(tmp_path):
@@ -198,6 +202,7 @@ def test_sigkill_to_the_grader_leaves_no_copy_of_the_hidden_tests(tmp_path):
     assert_nothing_left(started, temp)
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGHUP, 129)])

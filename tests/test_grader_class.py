@@ -350,6 +350,7 @@ def test_the_default_jobs_follow_the_cores_and_the_memory():
     assert 1 <= jobs <= os.cpu_count() and "core(s)" in why and "GiB of memory available" in why
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_students_grading_process_starts_without_importing_torch():
@@ -422,6 +423,7 @@ def _autograde(tmp_path: Path, zip_path: Path, files: dict[str, str]) -> dict:
     return json.loads((root / "results" / "results.json").read_text())
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_run_autograder_gives_the_model_answers_full_marks_and_the_stubs_zero(tmp_path):
@@ -477,6 +479,7 @@ def _a_class(folder: Path) -> None:
         (folder / "stray" / name).write_text(text)
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_class_is_graded_resumed_after_ctrl_c_and_the_hostile_one_changes_no_other_row(tmp_path):
@@ -547,6 +550,7 @@ def test_the_class_timing_target_needs_five_rounds():
     assert target_line([100.0, 101.0], [50.0, 51.0]).startswith("target 1.5x: not decided (2 rounds; a verdict needs 5)")
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(os.geteuid() != 0, reason="the submission runs as the grader's own user: only root grades as another")

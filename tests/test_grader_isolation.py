@@ -133,6 +133,7 @@ def test_every_world_writable_folder_within_reach_is_found():
 # --------------------------------------------------------------------------- attacks through the real grader
 
 @APART
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_nothing_crosses_from_one_grading_to_the_next_while_it_lives_or_after(tmp_path):
@@ -183,6 +184,7 @@ def matmul_intensity(*args, **kwargs):
 
 
 @APART
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_grading_that_holds_every_process_it_may_does_not_starve_another(tmp_path):

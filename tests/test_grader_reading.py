@@ -159,6 +159,7 @@ def make_linking_submission(folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_links_and_odd_files_give_the_submission_nothing_and_cost_nothing(tmp_path):

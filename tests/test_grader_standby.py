@@ -80,6 +80,7 @@ def _gone(pid: int) -> bool:
     return not psutil.pid_exists(pid)
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_standby_copied_from_the_template_shares_nothing_open_and_forks_its_own_zygote():
@@ -96,6 +97,7 @@ def test_a_standby_copied_from_the_template_shares_nothing_open_and_forks_its_ow
     assert _gone(found["pid"]) and _gone(found["template"]), "both end with the grading that started them"
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_without_the_template_a_standby_is_a_fresh_python_and_grades_the_same():
@@ -106,6 +108,7 @@ def test_without_the_template_a_standby_is_a_fresh_python_and_grades_the_same():
     assert _gone(found["pid"])
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_copied_standby_and_its_template_die_with_a_killed_grader():
@@ -114,24 +117,7 @@ def test_a_copied_standby_and_its_template_die_with_a_killed_grader():
     assert _gone(found["pid"]) and _gone(found["template"]), "SIGKILL runs no clean-up: they must end on their own"
 
 
-# Exercise 3.1 of a submission that reads its own memory for a token, given shifted by one byte so that the file
-# itself holds no copy of it, and says what it found in its error.
-MEMORY_READER = textwrap.dedent('''
-    def matmul_intensity(B, D, F, bytes_per_value=2):
-        import ctypes
-        shift = bytes((i + 1) % 256 for i in range(256))
-        with open("/proc/self/maps") as maps:
-            regions = [line.split() for line in maps]
-        for fields in regions:
-            if not fields[1].startswith("rw") or (len(fields) > 5 and fields[5].startswith(("/", "[v"))):
-                continue
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            if SHIFTED in ctypes.string_at(start, end - start).translate(shift):
-                raise RuntimeError(f"the token is in {fields[5] if len(fields) > 5 else 'anonymous'} memory")
-        raise RuntimeError("the token is nowhere in this process")
-''')
-
-
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_token_in_the_graders_environment_is_in_no_page_a_sandbox_can_read(tmp_path):
@@ -140,7 +126,8 @@ def test_a_token_in_the_graders_environment_is_in_no_page_a_sandbox_can_read(tmp
     token = "instructor-token-" + os.urandom(12).hex()
     shifted = token.encode().translate(bytes((i + 1) % 256 for i in range(256)))
     source = (ROOT / "solutions" / "ex03_rooflines.py").read_text()
-    (tmp_path / "ex03_rooflines.py").write_text(f"{source}\n\nSHIFTED = {shifted!r}\n{MEMORY_READER}")
+    reader = (ROOT / "tests" / "fixtures" / "submissions" / "reading_memory" / "ex03_rooflines.py").read_text()
+    (tmp_path / "ex03_rooflines.py").write_text(f"{source}\n\nSHIFTED = {shifted!r}\n\n{reader}")
     script = textwrap.dedent("""
         import json, sys
         from toyllm.grading import grade

@@ -35,6 +35,7 @@ def submission(folder: Path, fixture: str | None = None, **extra: str) -> Path:
     return folder
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_model_answers_of_the_searches_score_full_marks():
@@ -42,6 +43,7 @@ def test_the_model_answers_of_the_searches_score_full_marks():
     assert report.score == report.max_score == 9, [(t.name, t.output) for t in report.tests if t.status != "passed"]
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_reading_the_answer_out_of_the_cost_or_turning_the_count_off_scores_zero(tmp_path):
@@ -52,6 +54,7 @@ def test_reading_the_answer_out_of_the_cost_or_turning_the_count_off_scores_zero
     assert report.score == 0, [(t.name, t.score) for t in report.tests if t.score]
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_cost_is_dead_after_its_call_and_a_search_that_never_stops_is_stopped(tmp_path):

@@ -22,6 +22,7 @@ def submission(tmp_path: Path, lesson_file: str, old: str, new: str) -> Path:
     return tmp_path
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_an_irecv_posted_after_the_projection_fails_the_overlap_test_only(tmp_path):
@@ -37,6 +38,7 @@ def test_an_irecv_posted_after_the_projection_fails_the_overlap_test_only(tmp_pa
     assert "Exercise 5.2, kvr_layer, p=2" in failed.output and "not posted" in failed.output, failed.output
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_counting_with_toyllms_own_functions_scores_zero(tmp_path):
@@ -53,6 +55,7 @@ def test_counting_with_toyllms_own_functions_scores_zero(tmp_path):
                if t.exercise in ("4.1", "5.4")), [t.output for t in report.tests]
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_step_that_keeps_only_its_own_keys_gets_a_message_naming_the_exercise(tmp_path):

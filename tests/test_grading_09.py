@@ -31,6 +31,7 @@ def statuses(report) -> dict[str, str]:
     return {t.nodeid.rpartition("::")[2]: t.status for t in report.tests}
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_an_unscaled_merge_a_shifted_mask_and_a_forgotten_lse_lose_their_points(tmp_path):
@@ -55,6 +56,7 @@ def test_an_unscaled_merge_a_shifted_mask_and_a_forgotten_lse_lose_their_points(
     assert "ring_traffic(4096 new, 0 cached" in outputs["test_ex9_4_smollm2_cases"], outputs
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_block_attended_with_the_positions_of_the_step_before_fails_every_engine_run(tmp_path):
@@ -68,6 +70,7 @@ def test_a_block_attended_with_the_positions_of_the_step_before_fails_every_engi
     assert "Exercise 9.3, ring_pass_kv_layer in the engine, p=2" in failed.output, failed.output
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_computing_future_blocks_gives_the_right_logits_and_loses_only_the_skip_point(tmp_path):

@@ -54,6 +54,7 @@ def engine_failure(impl: Path, exercise: str, function: str, chunks: list[int]) 
     return str(failed.value)
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_prefix_after_the_ranks_own_keys_is_named(tmp_path):
@@ -77,6 +78,7 @@ def test_a_token_id_that_comes_again_is_no_mistake():
     assert engine_cause(trace, [(keys, values)], [3, 3], "kvr").startswith("rank 1, layer 0: of the 6 values")
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_key_positions_that_start_at_the_ranks_first_token_are_named(tmp_path):
@@ -86,6 +88,7 @@ def test_key_positions_that_start_at_the_ranks_first_token_are_named(tmp_path):
             "be 0-11") in why, why
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_gather_rows_without_the_cut_is_told_to_cut(tmp_path):
@@ -106,6 +109,7 @@ def prefill_check(answers_dir: Path | None) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=240)
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_prefill_check_fails_a_wrong_step_and_passes_the_right_one(tmp_path):
@@ -128,6 +132,7 @@ def test_prefill_check_fails_a_wrong_step_and_passes_the_right_one(tmp_path):
 AS_EDITION = "from toyllm import answers\nanswers.EDITION = \"student\"\n"
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_in_the_edition_a_test_that_failed_through_8_2_names_it(tmp_path):
@@ -162,6 +167,7 @@ def test_in_the_edition_a_test_that_failed_through_8_2_names_it(tmp_path):
         assert notes.get(name) == note, (name, notes, run.stdout[-3000:])
 
 
+@pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_under_the_grader_a_test_that_failed_through_8_2_names_it_and_an_unwritten_2_1_is_not_blamed(tmp_path):

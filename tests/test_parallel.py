@@ -196,6 +196,7 @@ def test_simulated_link_delays_but_does_not_change_results(pools, references, me
 
 
 @KVR
+@pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_smollm2_kvr_on_two_processes_gives_the_single_process_token(smollm2, pools):
@@ -327,6 +328,7 @@ def test_unknown_kernels_are_rejected_before_any_process_starts():
 
 @TSP
 @KVR
+@pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("kernel", ["dense", "sdpa"])
@@ -347,6 +349,7 @@ def test_smollm2_long_prompt_every_method_equals_one_process(smollm2, pools, ker
 
 
 @KVR
+@pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_smollm2_at_its_full_8k_context_with_the_causal_kernel(smollm2, pools):
