@@ -1,8 +1,8 @@
 """The engine's simulated link keeps the simulator's timeline (lesson 07, section 3); the simulator's roofline.
 
-Each rank of a real gloo group on 127.0.0.1 runs KV-Runahead's overlapped
-schedule with the engine's ``Chain`` and a slow ``LinkModel``, its "compute"
-replaced by sleeps of known length. ``toyllm.simulate`` is given the same
+Each rank of a real gloo group on 127.0.0.1 runs the engine's overlapped
+KV-Runahead step (``kvr_layer``, Exercise 5.2) with the engine's ``Chain`` and
+a slow ``LinkModel``, on a layer whose "compute" is sleeps of known length. ``toyllm.simulate`` is given the same
 per-layer costs and the same link, and the two timelines must agree: every
 compute span ends when the simulator says. A sleep never ends early and a
 busy machine only delays, so no span may end before the simulator's time,
@@ -23,6 +23,7 @@ import torch.distributed as dist
 from toyllm.analysis import LLAMA_7B
 from toyllm.launch import run_parallel
 from toyllm.parallel.comm import Chain, LinkModel
+from toyllm.parallel.steps import kvr_layer
 from toyllm.partition import even_partition
 from toyllm.simulate import CostModel, a100_like, simulate_prefill
 from toyllm.timeline import Timeline
@@ -36,34 +37,54 @@ EARLY_S = 0.002                    # clock readings: no span may end more than t
 LATE_S = 0.15                      # sleeps and scheduling on a shared, busy 2-core machine, over the whole run
 
 
+class SleepingLayer:
+    """A layer whose compute is sleeps of known length, each a compute span: what the simulator is given."""
+
+    def __init__(self, tl: Timeline, chunk: int):
+        self.tl, self.layer = tl, 0
+        self.own = torch.zeros(1, KV_HEADS, chunk, HEAD_DIM)          # this rank's keys (and values)
+
+    def qkv(self, x, cos, sin):
+        with self.tl.span("compute", self.layer, "qkv"):
+            time.sleep(QKV_S)
+        return self.own, self.own, self.own
+
+    def attend(self, q, k, v, q_pos, k_pos, attention):
+        with self.tl.span("compute", self.layer, "attention + MLP"):
+            time.sleep(REST_S)
+        return q
+
+    def finish(self, x, out):
+        return x
+
+
 def sleeping_kvr_rank(ctx) -> list[dict]:
-    """One rank's overlapped KV-Runahead schedule over the simulated link, compute replaced by sleeps."""
+    """One rank of the engine's overlapped KV-Runahead step (``kvr_layer``) over the simulated link, its
+    layers' compute replaced by sleeps: the step decides when the messages go, the timeline records it."""
     rank, chunks = ctx.rank, CHUNKS
     link = LinkModel(bandwidth_gbps=BANDWIDTH_BYTES_PER_S / 1e9, latency_s=LATENCY_S)
     tl = Timeline(rank)
     chain = Chain(rank, chunks, tl, batch=1, n_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.float32,
                   link=link)
-    k = torch.zeros(chain.send_shape)
+    layer = SleepingLayer(tl, chunks[rank])
+    start = sum(chunks[:rank])
+    x = torch.zeros(1, chunks[rank], 1)
+    pos = SimpleNamespace(q_pos=torch.arange(start, start + chunks[rank]), cos=None, sin=None)
     for _ in range(2):                 # the first round sets up gloo's connections; the second is compared
         origin = torch.tensor([time.perf_counter() + 0.2], dtype=torch.float64)   # one clock for all ranks
         dist.broadcast(origin, 0)
         time.sleep(max(0.0, origin.item() - time.perf_counter()))
         tl.reset(origin.item())
-        for layer in range(LAYERS):
-            chain.layer = layer
-            incoming = chain.irecv()
-            with tl.span("compute", layer, "qkv"):
-                time.sleep(QKV_S)
-            if incoming is not None:
-                incoming.wait()
-            chain.isend(k, k)
-            with tl.span("compute", layer, "attention + MLP"):
-                time.sleep(REST_S)
+        for i in range(LAYERS):
+            chain.layer = layer.layer = i
+            kvr_layer(layer, x, pos, chain, attention=None)
         chain.drain()
         dist.barrier()
     return tl.to_dicts()
 
 
+@pytest.mark.engine
+@pytest.mark.needs("5.2")
 @pytest.mark.timeout(120)
 def test_a_simulated_link_run_keeps_the_simulators_timeline():
     events = [e for rank_events in run_parallel(sleeping_kvr_rank, len(CHUNKS), backend="gloo", timeout_s=90)

@@ -175,6 +175,7 @@ def test_no_code_hint_is_an_answer_statement():
     assert any(edition.answer_statements_in(snippet, index) for snippet in planted)
 
 
+@pytest.mark.slow
 def test_only_tracked_files_ship(tmp_path):
     """Untracked files of an instructor's checkout (hidden tests, grades) are never part of the edition."""
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com"]
@@ -197,6 +198,90 @@ def test_the_instructor_edition_is_not_answer_free():
     # the check can fail: this repository holds solutions/
     found = edition.find_answers(ROOT / "solutions", edition.answer_texts(ROOT))
     assert len(found) >= 25, found
+
+
+# --------------------------------------------------------------------------- near-copies
+
+# Exercise 9.1's answer rewritten: other names, torch.exp for .exp(), [..., None] for .unsqueeze(-1), the
+# weights inlined and the guard for rows that saw nothing dropped. No statement of it is the answer's.
+NEAR_MERGE = """
+def combine(o1, l1, o2, l2):
+    joint = torch.logaddexp(l1, l2)
+    return (o1 * torch.exp(l1 - joint)[..., None] + o2 * torch.exp(l2 - joint)[..., None]).to(o1.dtype)
+"""
+# Exercise 5.2's order of messages, the compute replaced by sleeps.
+NEAR_ORDER = """
+def step(chain, k, tl):
+    pending = chain.irecv()
+    with tl.span("compute"):
+        time.sleep(0.1)
+    if pending is not None:
+        pending.wait()
+    chain.isend(k, k)
+"""
+# Not copies: the same operations for another purpose, and the argument checks the docstrings state.
+UNLIKE = """
+def softmax_of_stack(lses, outs):
+    shares = torch.softmax(torch.stack(lses).float(), dim=0)
+    return (shares[..., None] * torch.stack(outs)).sum(dim=0)
+
+def checked(a, b):
+    if len(a) != len(b):
+        raise ValueError("one per entry")
+    return [x * y for x, y in zip(a, b)]
+"""
+
+
+def test_a_near_copy_of_an_answer_is_found(tmp_path):
+    (tmp_path / "lib.py").write_text("import time\nimport torch\n" + NEAR_MERGE + NEAR_ORDER + UNLIKE)
+    steps = edition.answer_steps(ROOT)
+    assert edition.find_answers(tmp_path, edition.answer_texts(ROOT)) == []     # no statement is an answer's
+    found = edition.find_near_copies(tmp_path, steps)
+    assert found == ["near-copy of Exercise 5.2 (solutions/ex05_kv_runahead.py): lib.py:8 step",
+                     "near-copy of Exercise 9.1 (solutions/ex09_ring_attention.py): lib.py:4 combine"], found
+    # the check can fail on the model answers themselves: every answer of more than a line is near itself
+    own = edition.find_near_copies(ROOT / "solutions", steps)
+    for number in ("4.2", "5.1", "5.2", "6.2", "6.3", "8.2", "9.1", "9.2", "9.3"):
+        assert any(f"near-copy of Exercise {number} " in f for f in own), (number, own)
+
+
+def test_the_near_copies_a_review_found_are_what_the_check_finds(tmp_path):
+    """Before they were rewritten, four pieces of the edition did an answer's work its way; the check finds
+    each of them (the library code as it was) and nothing else there."""
+    before = {
+        "toyllm/attention.py": NEAR_MERGE.replace("combine", "merge_partials") + """
+def sees_any(q_pos, k_pos):
+    return int(k_pos[0]) <= int(q_pos[-1])
+""",
+        "toyllm/parallel/ring.py": """
+def ring_pass_q_layer(layer, x, pos, ring, attention):
+    q, k, v = layer.qkv(x, pos.cos, pos.sin)
+    held_k, held_v, held_pos = ring.held_kv()
+    keys = torch.cat([held_k, k], dim=-2)
+    values = torch.cat([held_v, v], dim=-2)
+    k_pos = torch.cat([held_pos, pos.q_pos])
+    queries, partials = q, {}
+    last = ring.world_size - 1
+    for step in range(last + 1):
+        origin = ring.origin(step)
+        travelling = None if step == last else ring.pass_on(step, queries)
+        partials[origin] = ring.attend(queries, keys, values, pos.layout[origin], k_pos, attention)
+        if travelling is not None:
+            (queries,) = travelling.wait()
+    parts = ring.return_partials(partials)
+    acc = parts[0]
+    for part in parts[1:]:
+        acc = merge(acc, part)
+    out, _ = acc
+    return layer.finish(x, layer.project(out)), keys, values
+""",
+        "tests/test_link_timeline.py": NEAR_ORDER}
+    for rel, text in before.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    found = edition.find_near_copies(tmp_path, edition.answer_steps(ROOT))
+    assert [f.split(": ", 1)[1].rsplit(" ", 1)[1] for f in found] == \
+        ["step", "merge_partials", "sees_any", "ring_pass_q_layer"], found
 
 
 @pytest.fixture(scope="module")
@@ -223,9 +308,11 @@ def test_the_searches_stand_ins_give_the_librarys_results():
     assert partition._boundary_search_by_exercise(bowl([9728]), 16384).partition == [9728, 6656]
 
 
+@pytest.mark.slow
 def test_the_edition_holds_no_answer_and_no_instructor_file(student_edition):
     out = student_edition
     assert edition.find_answers(out, edition.answer_texts(ROOT)) == []
+    assert edition.find_near_copies(out, edition.answer_steps(ROOT)) == []
     for gone in edition.INSTRUCTOR_ONLY:
         assert not (out / gone).exists() and not list(out.glob(gone + "*")), gone
     assert 'EDITION = "student"' in (out / "toyllm" / "answers.py").read_text()
@@ -240,6 +327,7 @@ def test_the_edition_holds_no_answer_and_no_instructor_file(student_edition):
     assert "layer.qkv" not in steps and "chain.irecv" not in steps       # every step is an exercise's
 
 
+@pytest.mark.slow
 def test_every_test_of_the_edition_collects_there(student_edition):
     """A test module the edition ships may not lean on one it leaves out (a helper of the grader's tests)."""
     run = _in_edition(student_edition, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests",
@@ -247,6 +335,7 @@ def test_every_test_of_the_edition_collects_there(student_edition):
     assert run.returncode == 0 and " error" not in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_shortcut_with_a_stand_in_calls_it_in_the_edition(student_edition):
     marks = [m for m in answers.scan() if m.kind == "shortcut" and m.student]
     assert {m.spec.rpartition(":")[2] for m in marks} >= {"hierarchical_grid_search", "partition_from_ratios"}
@@ -279,6 +368,7 @@ def _in_edition(folder: Path, *args, timeout=600) -> subprocess.CompletedProcess
                           timeout=timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_untouched_stubs_skip_with_the_exercise_and_commands_say_which(student_edition):
     out = student_edition
@@ -301,6 +391,7 @@ def test_untouched_stubs_skip_with_the_exercise_and_commands_say_which(student_e
         search.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_with_the_answers_filled_in_everything_runs_and_the_engine_runs_the_students_step(student_edition,
                                                                                           tmp_path):

@@ -267,13 +267,22 @@ def attention_with_lse(q, k, v, causal: bool = False):
 
 
 @shortcut("9.1",
-          ships="the causal kernel's merge of its two fused calls (lesson 05 shows it), each over keys every row "
-                "sees; ring attention merges through merge, Exercise 9.1's entry")
+          ships="a softmax across the stacked log-sum-exps of the causal kernel's two fused calls (lesson 05 "
+                "shows it), not the pairwise merge Exercise 9.1 asks for; ring attention merges through merge, "
+                "Exercise 9.1's entry")
 def merge_partials(out_a, lse_a, out_b, lse_b):
-    """Combine attention over two disjoint sets of keys: weight each by its share of the softmax mass."""
-    lse = torch.logaddexp(lse_a, lse_b)                                  # (B, H, T)
-    out = out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None]
-    return out.to(out_a.dtype)                                           # the LSEs may be float32 for bf16 outputs
+    """Combine attention over two disjoint sets of keys: weight each by its share of the softmax mass.
+
+    The shares are a softmax across the sets' log-sum-exps: set i's share of
+    a row's mass is exp(lse_i) / sum_j exp(lse_j). A row that saw no key in
+    either set has no mass to share (a softmax over -infs is nan): it gets 0.
+    """
+    # (2, B, H, T), in float32 at least: a bf16 lse would round the shares coarsely
+    lses = torch.stack([lse_a, lse_b]).to(torch.promote_types(lse_a.dtype, torch.float32))
+    shares = torch.softmax(lses, dim=0)                                 # (2, B, H, T): sum to 1 down the sets
+    shares = torch.where(lses.isneginf().all(dim=0), 0.0, shares)       # no key anywhere: no mass, not nan
+    out = (shares[..., None] * torch.stack([out_a, out_b])).sum(dim=0)  # (B, H, T, D)
+    return out.to(out_a.dtype)                                          # the LSEs may be float32 for bf16 outputs
 
 
 def _contiguous(pos: torch.Tensor) -> bool:
@@ -341,11 +350,6 @@ def runs(pos: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:]))
 
 
-def sees_any(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
-    """False when every key is in the future of every query (positions increase along each)."""
-    return int(k_pos[0]) <= int(q_pos[-1])
-
-
 @answer("9.1", "Ring attention's merge of partial outputs")
 def merge(a: tuple, b: tuple) -> tuple:
     """Partials (out, lse) over two disjoint sets of keys as one (out, lse) (Exercise 9.1)."""
@@ -383,9 +387,11 @@ def partial_attention(q, k, v, q_pos, k_pos, skip_masked: bool):
     for a, b in runs(q_pos):
         for c, d in runs(k_pos):
             kp, kr, vr = k_pos[c:d], k[..., c:d, :], v[..., c:d, :]
-            if not sees_any(q_pos[a:b], kp):
-                continue                                                  # no dot products at all
-            lo = a + int(torch.searchsorted(q_pos[a:b], kp[0]))          # the first query that sees a key
+            # the queries of the run from the first one at or after the first key see some key; the ones
+            # before it see none, and when that is all of them the pair costs no dot product at all
+            lo = a + int(torch.searchsorted(q_pos[a:b], kp[0]))
+            if lo == b:
+                continue
             qp, qr = q_pos[lo:b], q[..., lo:b, :]
             if int(kp[-1]) <= int(qp[0]):                                 # every key visible: no mask
                 o, l = attention_with_lse(group_queries(qr.contiguous(), Hkv), kr, vr)

@@ -24,6 +24,9 @@ of any model answer (``SUBSTANTIAL_NODES``), names normalised, may occur in
 a Python file (tests included) or a notebook cell (code or output) of the
 edition. ``build`` checks that before it returns, and so does the test
 suite; ``answers_in_hints`` checks the ``HINTS=code`` hints the same way.
+``find_near_copies`` looks further: no function of the edition may do an
+answer's work the answer's way, its steps rewritten a little (the rule is
+written above it).
 """
 from __future__ import annotations
 
@@ -31,11 +34,14 @@ import argparse
 import ast
 import builtins
 import copy
+import difflib
+import functools
 import json
 import re
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -277,6 +283,277 @@ def answers_in_hints(root: Path | None = None) -> list[str]:
     return sorted(hits)
 
 
+# --------------------------------------------------------------------------- near-copies of a whole answer
+#
+# ``find_answers`` finds a model answer's statements as they are written. A near-copy rewrites them a
+# little: the same steps in the same order with other names, ``torch.exp(x)`` for ``x.exp()``, a temporary
+# inlined, a guard dropped. ``find_near_copies`` compares each function of the edition (and each notebook
+# cell) with each answer, step by step:
+#
+# - a step is one statement's value (what an assignment, return or call computes; the names it is stored
+#   in say nothing), or the header of an ``if``, a loop or a ``with`` (not a guard: an ``if`` that only
+#   raises, which the docstrings state); names become ``_``, strings blank,
+#   ``torch.f(x, ...)`` becomes ``x.f(...)`` and ``x[..., None]`` becomes ``x.unsqueeze(-1)`` (the same
+#   operation written two ways), and a variable stored once and read once is replaced by its value;
+# - two steps are the same when their tokens match at least ``NEAR_STEP`` (``difflib``'s ratio) and so do
+#   their words (the tokens less the placeholders and punctuation: ``_(_, _, _)`` is no call of ``.attend``);
+# - an answer's own steps are those no other answer has a step like (5.2 is judged on what it adds to 5.1,
+#   not on the projection both make), of at least ``NEAR_MIN_TOKENS`` tokens, and not an idiom: a step
+#   that ``NEAR_COMMON`` or more functions of the folder checked have (``_.append(_)``) is nobody's.
+#
+# A function is a near-copy of an answer when
+#
+# 1. it takes at least ``NEAR_SHARE`` of the answer's own steps, in order (two at least, and
+#    ``NEAR_MIN_MATCHED`` tokens in all): the answer rewritten a little (Exercise 9.1's merge with
+#    ``torch.exp`` and its guard dropped; 5.2's receive and send around a stand-in for the compute);
+# 2. or it calls the methods the answer calls, in the same order, at least ``NEAR_SHARE`` of them
+#    (``NEAR_MIN_CALLS`` at least), one of them a method no other answer calls: the answer's plan with
+#    other arithmetic between (9.3's ring loop with the queries passed instead of the keys);
+# 3. or it is a piece of the answer: every step of it is one of the answer's, and the answer's own steps
+#    among them hold ``NEAR_MIN_PIECE`` words at least (a one-line helper that is 9.3's skip test).
+NEAR_STEP = 0.8
+NEAR_SHARE = 0.6
+NEAR_MIN_TOKENS = 4          # ``_.wait()`` (5 tokens) counts; ``_`` or ``None`` alone does not
+NEAR_MIN_MATCHED = 12
+NEAR_MIN_PIECE = 5           # words, e.g. ``int``, ``0``, ``<``, ``=``, ``int``, ``-``, ``1``
+NEAR_MIN_CALLS = 5
+NEAR_COMMON = 8
+
+
+class _Canonical(ast.NodeTransformer):
+    """Names to ``_``, strings blank, and one spelling for operations PyTorch writes two ways."""
+
+    def visit_Name(self, node):
+        return ast.Name("_" if node.id not in _BUILTINS else node.id, ast.Load())
+
+    def visit_arg(self, node):
+        return ast.arg("_")
+
+    def visit_Constant(self, node):
+        return ast.Constant("") if isinstance(node.value, str) else node
+
+    def visit_JoinedStr(self, node):
+        return ast.Constant("")
+
+    def visit_Call(self, node):
+        f = node.func
+        # torch.exp(x, ...) is x.exp(...)
+        if (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "torch"
+                and node.args and not isinstance(node.args[0], ast.Starred)):
+            node = ast.Call(ast.Attribute(node.args[0], f.attr, ast.Load()), node.args[1:], node.keywords)
+        return self.generic_visit(node)
+
+    def visit_Subscript(self, node):
+        # x[..., None] is x.unsqueeze(-1)
+        s = node.slice
+        if (isinstance(s, ast.Tuple) and len(s.elts) == 2 and isinstance(s.elts[0], ast.Constant)
+                and s.elts[0].value is Ellipsis and isinstance(s.elts[1], ast.Constant) and s.elts[1].value is None):
+            node = ast.Call(ast.Attribute(node.value, "unsqueeze", ast.Load()), [ast.Constant(-1)], [])
+        return self.generic_visit(node)
+
+
+def _inline(stmts: list[ast.stmt]) -> list[ast.stmt]:
+    """The statements with each variable that is stored once (``name = value``, at this level) and read
+    once replaced by its value: splitting a formula into temporaries does not hide it."""
+    stmts = copy.deepcopy(stmts)
+    stores, loads = {}, {}
+    for node in ast.walk(ast.Module(stmts, [])):
+        if isinstance(node, ast.Name):
+            (stores if isinstance(node.ctx, ast.Store) else loads).setdefault(node.id, []).append(node)
+    values = {s.targets[0].id: s.value for s in stmts
+              if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name)
+              and len(stores.get(s.targets[0].id, ())) == 1 and len(loads.get(s.targets[0].id, ())) == 1}
+
+    class Substitute(ast.NodeTransformer):
+        def visit_Name(self, node):
+            return values.get(node.id, node) if isinstance(node.ctx, ast.Load) else node
+
+    kept = [s for s in stmts if not (isinstance(s, ast.Assign) and len(s.targets) == 1
+                                     and isinstance(s.targets[0], ast.Name) and s.targets[0].id in values)]
+    for _ in range(len(values)):                       # a value may hold another inlined name
+        kept = [Substitute().visit(s) for s in kept]
+    return kept
+
+
+def _tokens(node: ast.AST) -> tuple[str, ...]:
+    text = ast.unparse(_Canonical().visit(copy.deepcopy(node)))
+    return tuple(re.findall(r"\w+|[^\w\s]", text))
+
+
+def _steps(stmts: list[ast.stmt]) -> list[tuple[str, ...]]:
+    """The steps of a body (see above), in order, nested bodies included; definitions inside are left out."""
+    out = []
+    for stmt in _inline(stmts):
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if isinstance(stmt, ast.If) and all(isinstance(s, ast.Raise) for s in stmt.body) and not stmt.orelse:
+            continue                     # a guard: the docstring says what to raise, and the stubs keep it
+        if isinstance(stmt, (ast.If, ast.While)):
+            out.append(("if", *_tokens(stmt.test)))
+        elif isinstance(stmt, (ast.For, ast.AsyncFor)):
+            out.append(("for", *_tokens(stmt.target), "in", *_tokens(stmt.iter)))
+        elif isinstance(stmt, (ast.With, ast.AsyncWith)):
+            out.append(("with", *[t for item in stmt.items for t in _tokens(item.context_expr)]))
+        elif isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return, ast.Expr)):
+            if getattr(stmt, "value", None) is not None and not isinstance(stmt.value, ast.Constant):
+                out.append(_tokens(stmt.value))
+        elif not isinstance(stmt, (ast.Try, ast.Match, ast.Pass, ast.Break, ast.Continue)):
+            out.append(_tokens(stmt))
+        for field in ("body", "orelse", "finalbody"):
+            if isinstance(stmt, (ast.If, ast.While, ast.For, ast.AsyncFor, ast.With, ast.AsyncWith, ast.Try)):
+                out += _steps(getattr(stmt, field, []))
+        for handler in getattr(stmt, "handlers", []):
+            out += _steps(handler.body)
+    return out
+
+
+def _calls(steps) -> tuple[str, ...]:
+    """The methods the steps call, in order (``layer.qkv(...)`` gives ``qkv``)."""
+    return tuple(step[i + 1] for step in steps for i in range(len(step) - 2)
+                 if step[i] == "." and step[i + 2] == "(" and step[i + 1] != "_")
+
+
+@dataclass(frozen=True)
+class AnswerSteps:
+    label: str                              # "Exercise 9.1 (solutions/ex09_ring_attention.py)"
+    steps: tuple[tuple[str, ...], ...]      # every step of the answer
+    own: tuple[tuple[str, ...], ...]        # the steps no other answer has, in order
+    calls: tuple[str, ...] = ()             # the methods it calls, in order (``_calls``)
+    own_calls: frozenset = frozenset()      # those no other answer calls
+
+
+def answer_steps(root: Path | None = None) -> list[AnswerSteps]:
+    """The steps of every model answer region of ``solutions/`` (see ``find_near_copies``)."""
+    root = course_root() if root is None else Path(root)
+    regions = []
+    for path in sorted((root / "solutions").glob("ex*.py")):
+        source = path.read_text()
+        tree = ast.parse(source)
+        start = None
+        for no, line in enumerate(source.splitlines(), start=1):
+            if (m := _BEGIN.match(line)):
+                start = (no, m[1])
+            elif _END.match(line) and start:
+                begin, number = start
+                start = None
+                # the region's statements: those inside it whose parent is not
+                stmts = [child for node in ast.walk(tree) for child in ast.iter_child_nodes(node)
+                         if isinstance(child, ast.stmt) and begin < child.lineno < no
+                         and not begin < getattr(node, "lineno", 0) < no]
+                stmts.sort(key=lambda s: s.lineno)
+                regions.append((f"Exercise {number} ({path.relative_to(root).as_posix()})", _steps(stmts)))
+    out = []
+    for label, steps in regions:
+        others = {s for other, their in regions if other != label for s in their}
+        own = tuple(s for s in steps if len(s) >= NEAR_MIN_TOKENS and not any(_same(s, t) for t in others))
+        calls = _calls(steps)
+        their_calls = {c for other, their in regions if other != label for c in _calls(their)}
+        out.append(AnswerSteps(label, tuple(steps), own, calls, frozenset(calls) - their_calls))
+    return out
+
+
+_PUNCTUATION = frozenset("_(),.[]:")
+
+
+def _words(step: tuple) -> tuple:
+    """What a step does, without its placeholders and punctuation: operations, attributes, numbers."""
+    return tuple(t for t in step if t not in _PUNCTUATION)
+
+
+def _ratio(a: tuple, b: tuple) -> float:
+    if 2 * min(len(a), len(b)) < NEAR_STEP * (len(a) + len(b)):       # the ratio cannot reach NEAR_STEP
+        return 0.0
+    return difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _same(a: tuple, b: tuple) -> bool:
+    """Two steps are the same when their tokens match at least ``NEAR_STEP`` and so do their words
+    (``_(_, _, _, _, _)`` is not ``_.attend(_, *_, _.q_pos, _, _)``, however alike the punctuation)."""
+    if a == b:
+        return True
+    wa, wb = _words(a), _words(b)
+    return bool(wa) and _ratio(wa, wb) >= NEAR_STEP and _ratio(a, b) >= NEAR_STEP
+
+
+def _in_order(steps: list, own: tuple) -> list[int]:
+    """Indices of ``own``'s steps that ``steps`` holds in the same order (a longest common subsequence,
+    steps compared by ``_same``)."""
+    n, m = len(steps), len(own)
+    best = [[0] * (m + 1) for _ in range(n + 1)]
+    for i in range(n - 1, -1, -1):
+        for j in range(m - 1, -1, -1):
+            best[i][j] = max(best[i + 1][j], best[i][j + 1],
+                             best[i + 1][j + 1] + 1 if _same(steps[i], own[j]) else 0)
+    i = j = 0
+    taken = []
+    while i < n and j < m:
+        if best[i][j] == best[i + 1][j + 1] + 1 and _same(steps[i], own[j]):
+            taken.append(j)
+            i, j = i + 1, j + 1
+        elif best[i + 1][j] >= best[i][j + 1]:
+            i += 1
+        else:
+            j += 1
+    return taken
+
+
+def near_copy_of(steps: list[tuple[str, ...]], answer: AnswerSteps, common: frozenset = frozenset()) -> bool:
+    """Whether a body with these steps is a near-copy of the answer (the rule above); ``common``: steps
+    too common to count as the answer's own."""
+    words = {t for s in steps for t in s}
+    own = tuple(s for s in answer.own if s not in common)
+    if len(own) >= 2:
+        # cheap first: the own steps whose words the body holds at all
+        possible = [s for s in own if sum(t in words for t in s) >= NEAR_STEP * len(s)]
+        if len(possible) >= max(2, NEAR_SHARE * len(own)):
+            taken = _in_order(steps, own)
+            if (len(taken) >= max(2, NEAR_SHARE * len(own))
+                    and sum(len(own[j]) for j in taken) >= NEAR_MIN_MATCHED):
+                return True
+    # the same calls in the same order, one of them the answer's own: its plan, the arithmetic between aside
+    if len(answer.calls) >= NEAR_MIN_CALLS:
+        calls = _calls(steps)
+        taken = [answer.calls[j] for j in _in_order(calls, answer.calls)]
+        if len(taken) >= max(NEAR_MIN_CALLS, NEAR_SHARE * len(answer.calls)) and set(taken) & set(answer.own_calls):
+            return True
+    # a piece of the answer: every step of the body is one of the answer's, and its own steps make a line
+    if not steps or not all(any(_same(s, a) for a in answer.steps) for s in steps):
+        return False
+    return sum(len(_words(s)) for s in steps if any(_same(s, a) for a in own)) >= NEAR_MIN_PIECE
+
+
+def _bodies(source: str):
+    """(line, name, statements) of every function of ``source``, and of the module's own statements."""
+    trees = _parse(source)
+    for offset, tree in trees:
+        yield offset + 1, "<module>", [s for s in tree.body
+                                        if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = node.body[1:] if ast.get_docstring(node, clean=False) is not None else node.body
+                yield offset + node.lineno, node.name, body
+
+
+def find_near_copies(folder: Path, answers_: list[AnswerSteps] | None = None) -> list[str]:
+    """"near-copy of <answer>: <file>:<line> <function>" for each function (or module, or notebook cell)
+    under ``folder`` that is a near-copy of a model answer (empty: none is). See the rule above."""
+    answers_ = answer_steps() if answers_ is None else answers_
+    bodies = []
+    for where, source in _python_sources(folder):
+        if "#output" not in where:
+            bodies += [(where, line, name, steps) for line, name, body in _bodies(source) if (steps := _steps(body))]
+    # a step that many bodies of the folder write (``_.append(_)``) is an idiom, whichever answer has it too
+    seen = Counter(s for *_, steps in bodies for s in set(steps))
+    common = frozenset(s for s, n in seen.items() if n >= NEAR_COMMON)
+    hits = set()
+    for where, line, name, steps in bodies:
+        for answer in answers_:
+            if near_copy_of(steps, answer, common):
+                hits.add(f"near-copy of {answer.label}: {where}:{line} {name}")
+    return sorted(hits)
+
+
 # --------------------------------------------------------------------------- building the edition
 
 def _git_files(root: Path, *which: str) -> list[str]:
@@ -404,6 +681,9 @@ def build(out: Path, hints: str = "idea", root: Path | None = None, log=sys.stdo
     found = find_answers(out, answer_texts(root))
     if found:
         raise ValueError(f"answer text found in the student edition at {out}: {found}")
+    near = find_near_copies(out, answer_steps(root))
+    if near:
+        raise ValueError(f"a near-copy of a model answer found in the student edition at {out}: {near}")
     return written
 
 

@@ -32,12 +32,34 @@ def _kind(x) -> str:
 
 
 def equal(got, expected, call: str) -> None:
-    """``got == expected`` and of exactly the same type (int stays int, float stays float)."""
+    """``got == expected`` and of exactly the same type (int stays int, float stays float), inside lists, tuples
+    and dicts too: ``{"kv": 1536.0}`` is not ``{"kv": 1536}``."""
     if type(got) is not type(expected):
         raise AssertionError(f"{call}: expected {_show(expected)} ({_kind(expected)}), "
                              f"got {_show(got)} ({_kind(got)})")
     if got != expected:
         raise AssertionError(f"{call}: expected {_show(expected)}, got {_show(got)}")
+    where = _other_type_inside(got, expected)
+    if where is not None:
+        path, g, e = where
+        raise AssertionError(f"{call}: {path} should be {_kind(e)} ({_show(e)}), got {_kind(g)} ({_show(g)})")
+
+
+def _other_type_inside(got, expected, path: str = "the result"):
+    """(where, got's item, expected's item) of the first item inside equal containers whose type differs."""
+    if type(got) is not type(expected):
+        return path, got, expected
+    if isinstance(expected, dict):
+        items = [(f"{path}[{k!r}]", got[k], v) for k, v in expected.items()]
+    elif isinstance(expected, (list, tuple)):
+        items = [(f"{path}[{i}]", g, e) for i, (g, e) in enumerate(zip(got, expected))]
+    else:
+        return None
+    for where, g, e in items:
+        found = _other_type_inside(g, e, where)
+        if found is not None:
+            return found
+    return None
 
 
 def close(got, expected: float, call: str, rel: float = 1e-9, abs_tol: float = 0.0) -> None:

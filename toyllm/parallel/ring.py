@@ -54,6 +54,7 @@ built here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -102,9 +103,24 @@ def ring_pass_kv_cached_layer(layer, x, pos, ring, attention):
     return ring_pass_kv_layer(_AfterCache(layer, ring), x, dataclasses.replace(pos, layout=blocks), ring, attention)
 
 
+def _queries_in_hand(ring, q):
+    """(origin, queries) at each ring step: the queries of rank ``origin``, which this rank answers next.
+
+    The queries travel while the caller attends to them: the next ones are
+    posted before these are handed out (``Ring.pass_on``), and waited for
+    only when the caller asks for them.
+    """
+    travelling = None
+    for step in range(ring.world_size):
+        queries = q if travelling is None else travelling.wait()[0]
+        travelling = ring.pass_on(step, queries) if step < ring.world_size - 1 else None
+        yield ring.origin(step), queries
+
+
 @shortcut("9.3",
-          ships="pass-Q, which the lesson runs and no exercise asks for; its blocks go through Ring.attend and "
-                "merge, the entries of Exercises 9.2 and 9.1")
+          ships="pass-Q, which the lesson runs and no exercise asks for: the queries travel and every answer "
+                "goes back to its owner, which merges them all at the end (no running merge, no skipped "
+                "block); each block goes through Ring.attend and merge, the entries of Exercises 9.2 and 9.1")
 def ring_pass_q_layer(layer, x, pos, ring, attention):
     """Ring pass-Q: the queries go round; each partial output returns to its owner (see the module docstring).
 
@@ -112,26 +128,18 @@ def ring_pass_q_layer(layer, x, pos, ring, attention):
     followed by its new tokens (positions ``ring.held_pos``, then ``pos.q_pos``).
     """
     cos, sin = pos.cos, pos.sin                               # RoPE angles of this rank's new tokens
-    q, k, v = layer.qkv(x, cos, sin)
+    q, k, v = layer.qkv(x, cos, sin)                          # (B, H, c_r, D), (B, Hkv, c_r, D) x 2
     held_k, held_v, held_pos = ring.held_kv()                 # (B, Hkv, n_r, D): its shard of the cache
     keys = torch.cat([held_k, k], dim=-2)                     # (B, Hkv, n_r + c_r, D)
     values = torch.cat([held_v, v], dim=-2)
     k_pos = torch.cat([held_pos, pos.q_pos])
-    queries, partials = q, {}
-    last = ring.world_size - 1
-    for step in range(last + 1):
-        origin = ring.origin(step)                             # whose queries are in hand
-        travelling = None if step == last else ring.pass_on(step, queries)
-        # every rank holds cached tokens, which every new query sees: no block is skipped
-        partials[origin] = ring.attend(queries, keys, values, pos.layout[origin], k_pos, attention,
-                                       f"attention of queries {origin}")
-        if travelling is not None:
-            (queries,) = travelling.wait()
-    parts = ring.return_partials(partials)                     # this rank's queries, against every shard
-    acc = parts[0]
-    for part in parts[1:]:
-        acc = merge(acc, part)
-    out, _ = acc
+    # This rank's keys answer every rank's queries in turn. Every rank holds cached tokens, which every new
+    # query sees, so no visit is skipped; the answers are kept by whose queries they are, not merged here.
+    partials = {origin: ring.attend(queries, keys, values, pos.layout[origin], k_pos, attention,
+                                    f"attention of queries {origin}")
+                for origin, queries in _queries_in_hand(ring, q)}
+    # Each answer goes home: this rank gets its own queries' p partials (one per shard) and merges them.
+    out, _ = functools.reduce(merge, ring.return_partials(partials))
     return layer.finish(x, layer.project(out)), keys, values
 
 
