@@ -1196,6 +1196,27 @@ def break_even_context(speedup, lo, hi):
      "            acc = part"),
     ("9.3", "the block in hand returned as the rank's cache", "    return layer.finish(x, layer.project(acc[0])), k, v",
      "    return layer.finish(x, layer.project(acc[0])), *block"),
+    ("9.1", "no max subtracted: the shares as exp(lse) over exp(joint lse), which overflow for large scores",
+     "    share_a = (lse_a - lse).exp().nan_to_num(0.0).unsqueeze(-1)",
+     "    share_a = (lse_a.exp() / lse.exp()).nan_to_num(0.0).unsqueeze(-1)"),
+    ("9.2", "the lse returned in the query's dtype", "    return (weights @ vals).to(q.dtype), lse\n",
+     "    return (weights @ vals).to(q.dtype), lse.to(q.dtype)\n"),
+    ("9.3", "the block sent on after attending over it: nothing overlaps",
+     "        handle = ring.pass_on(step, *block) if step < p - 1 else None   # the next block travels meanwhile\n"
+     "        k_pos = pos.layout[ring.origin(step)]\n"
+     "        if int(k_pos[0]) <= int(pos.q_pos[-1]):                # else every key is in the future: skip\n"
+     "            part = ring.attend(q, *block, pos.q_pos, k_pos, attention)\n",
+     "        k_pos = pos.layout[ring.origin(step)]\n"
+     "        if int(k_pos[0]) <= int(pos.q_pos[-1]):\n"
+     "            part = ring.attend(q, *block, pos.q_pos, k_pos, attention)\n"
+     "        handle = ring.pass_on(step, *block) if step < p - 1 else None\n"
+     "        if int(k_pos[0]) <= int(pos.q_pos[-1]):\n"),
+    ("9.3", "a block sent at the last step too", "ring.pass_on(step, *block) if step < p - 1 else None",
+     "ring.pass_on(step, *block)"),
+    ("9.3", "the skip by < : a one-token rank skips its own block", "        if int(k_pos[0]) <= int(pos.q_pos[-1]):",
+     "        if int(k_pos[0]) < int(pos.q_pos[-1]):"),
+    ("9.4", "byte counts as floats", 'return {"kv": kv, "q": q, "choose": "q" if q < kv else "kv"}',
+     'return {"kv": float(kv), "q": float(q), "choose": "q" if q < kv else "kv"}'),
     ("9.4", "the partial outputs' lses left out", "(n_heads * head_dim + n_heads * (head_dim + 1))",
      "(n_heads * head_dim + n_heads * head_dim)"),
     ("9.4", "pass-KV sends only the new tokens", "    kv_values = others * (cached_tokens + new_tokens) * 2 * n_kv_heads * head_dim",

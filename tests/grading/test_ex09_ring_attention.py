@@ -82,6 +82,14 @@ def test_ex9_1_two_halves_merge_into_attention_over_all_keys(ex09, drawn):
         check_partial(ex09.merge(a, b), attention_over(q, k, v, pos, pos), call)
         # the order of the two sides does not matter
         check_partial(ex09.merge(b, a), attention_over(q, k, v, pos, pos), call + ", sides swapped")
+    # large scores: each side's lse in the hundreds, where exp(lse) overflows float32 (above about 88)
+    q, k, v = tensors(gen, 1, 2, 2, 8, 8, 4)
+    q = q * 60.0
+    pos = torch.zeros(8, dtype=torch.long)
+    a, b = halves(q, k, v, pos, 3)
+    top = float(torch.maximum(a[1], b[1]).max())
+    check_partial(ex09.merge(a, b), attention_over(q, k, v, pos, pos),
+                  f"merge of partials with large scores (lse up to {top:.0f}: exp(lse) overflows float32)")
 
 
 @pytest.mark.exercise("9.1")
@@ -144,6 +152,15 @@ def test_ex9_2_queries_that_see_no_key_get_zero_and_minus_infinity(ex09, drawn):
     tensors_close(out, torch.zeros_like(q), "block_attention with every key in the future: out", atol=0.0)
     if not (torch.isinf(lse) & (lse < 0)).all():
         raise AssertionError("block_attention with every key in the future: expected lse -inf everywhere")
+    # bfloat16 queries, keys and values: out in q's dtype, lse in float32 (the merge weighs by it)
+    q, k, v = (t.bfloat16() for t in tensors(gen, 1, 2, 1, 4, 8, 8))
+    q_pos, k_pos = torch.arange(6, 10), torch.arange(0, 8)
+    out, lse = ex09.block_attention(q, k, v, q_pos, k_pos)
+    equal(str(out.dtype), "torch.bfloat16", "block_attention of bfloat16 q, k, v: the dtype of out")
+    equal(str(lse.dtype), "torch.float32", "block_attention of bfloat16 q, k, v: the dtype of lse")
+    want = attention_over(q.float(), k.float(), v.float(), q_pos, k_pos)
+    tensors_close(out.float(), want[0], "block_attention of bfloat16 q, k, v: out", atol=2e-2)
+    tensors_close(lse, want[1], "block_attention of bfloat16 q, k, v: lse", atol=2e-2)
 
 
 # --------------------------------------------------------------------------- 9.3
@@ -188,21 +205,42 @@ def test_ex9_3_four_ranks_and_decoding_continues(ex09, engine_run):
 @pytest.mark.points(1)
 @pytest.mark.timeout(180)
 def test_ex9_3_blocks_wholly_in_the_future_are_skipped(ex09, engine_run):
-    chunks = [8, 7, 9]
-    got, _ = engine_run(ex09.ring_pass_kv_layer, "9.3", "ring", 3, chunks, seed=14)
-    for rank in range(3):
-        attended = {}
+    """Blocks in a rank's future are skipped, its own never (rank 1 holds one token: its block is on its
+    diagonal); each layer sends the block in hand on p - 1 times, each before attending over it."""
+    chunks, p = [8, 1, 9], 3
+    got, _ = engine_run(ex09.ring_pass_kv_layer, "9.3", "ring", p, chunks, seed=14)
+    where = f"Exercise 9.3, ring_pass_kv_layer, p={p}, chunks {chunks}"
+    for rank in range(p):
+        attended, began, sends = {}, {}, {}
         for e in got.timeline:
-            if e["rank"] == rank and e["label"].startswith("attention over block "):
-                attended.setdefault(e["layer"], []).append(int(e["label"].split()[-1]))
-        assert attended, f"Exercise 9.3: rank {rank} never called ring.attend"
+            if e["rank"] != rank:
+                continue
+            if e["kind"] == "compute" and e["label"].startswith("attention over block "):
+                origin = int(e["label"].split()[-1])
+                attended.setdefault(e["layer"], []).append(origin)
+                began[e["layer"], origin] = e["start_s"]
+            elif e["kind"] == "send" and e["label"].startswith("ring step "):
+                sends.setdefault(e["layer"], []).append((int(e["label"].split()[-1]), e["start_s"]))
+        assert attended, f"{where}: rank {rank} never called ring.attend"
         for layer, origins in sorted(attended.items()):
             assert sorted(origins) == list(range(rank + 1)), (
-                f"Exercise 9.3, ring_pass_kv_layer, p=3, chunks {chunks}: rank {rank} attended in layer {layer} to "
+                f"{where}: rank {rank} attended in layer {layer} to "
                 f"the blocks of ranks {origins}; it holds the queries of tokens {sum(chunks[:rank])}-"
                 f"{sum(chunks[:rank + 1]) - 1}, so it attends to the blocks of ranks 0 to {rank} (its own and those "
                 "before it), once each, and skips the blocks wholly in its future without computing them "
                 "(ring.attend called once per block it attends to)")
+        for layer in sorted(attended):
+            steps = sorted(step for step, _ in sends.get(layer, []))
+            assert steps == list(range(p - 1)), (
+                f"{where}: rank {rank} sent blocks on at ring steps {steps} in layer {layer}; each of the p - 1 = "
+                f"{p - 1} first steps sends the block in hand on once (ring.pass_on), the last step sends nothing")
+            for step, start in sends[layer]:
+                origin = (rank - step) % p
+                if (layer, origin) in began and start > began[layer, origin]:
+                    raise AssertionError(
+                        f"{where}: rank {rank}, layer {layer}, ring step {step}: the block of rank {origin} was sent "
+                        "on after attending over it began; send it on first (ring.pass_on), so that it travels "
+                        "while you compute, and wait for the next one after")
 
 
 # --------------------------------------------------------------------------- 9.4
