@@ -34,7 +34,11 @@ over the keys it holds, its n_r cached tokens (every new query sees them
 all) and its c_r new ones (causal where positions demand). No block is
 skipped. Then every rank sends each partial output, c_o rows of H x (D + 1)
 values (the lse included), straight back to its owner, all at once (the
-engine's ``return_partials``), waits for the p - 1 partials of its own
+engine's ``return_partials``). The model gives each pair of ranks a link of
+its own at the full bandwidth, so a rank's p - 1 partial outputs travel side
+by side rather than one after another on one link: for p > 2 that favours
+pass-Q (on a network where a rank shares one link, they take up to p - 1
+times as long). Then it waits for the p - 1 partials of its own
 queries, merges them (not charged: a few element-wise operations per
 query) and runs o_proj and the MLP. The bytes per layer are
 ``toyllm.parallel.ring.ring_traffic``'s.

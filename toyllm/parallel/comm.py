@@ -316,7 +316,10 @@ class Ring(_Comm):
         """Send partials[o] = (out, lse) to rank o, receive every rank's for this rank's queries.
 
         out (B, H, c_o, D) and lse (B, H, c_o) travel as one message, lse as
-        an extra column. Returns this rank's (out, lse) pairs, its own first.
+        an extra column, so in one dtype: bfloat16 outputs beside a float32
+        lse travel as float32, twice the bytes ``ring_traffic`` counts for
+        them at 2 bytes per value. Returns this rank's (out, lse) pairs, its
+        own first.
         """
         self._wait_delivered(self.layer)
         mine = partials[self.rank]

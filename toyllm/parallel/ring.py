@@ -15,7 +15,9 @@ one process's.
   keys and values travel. A block wholly in the future of a rank's
   queries is passed on without a single dot product: with contiguous
   chunks rank r computes r + 1 blocks (its own and the r before it), so
-  the last rank does p times the work of the first. ``balance="zigzag"``
+  the last rank computes p times the blocks of the first: p times the
+  pairs with the dense kernel, about 2p - 1 times with one that skips
+  masked pairs (``simulate_ring.block_pairs``). ``balance="zigzag"``
   gives rank r pieces r and 2p-1-r of 2p (``token_layout``), and every rank
   then computes half of each of its p blocks: equal work. Continuing N
   tokens already cached on the ranks (``ring_pass_kv_cached_layer``,
@@ -27,7 +29,9 @@ one process's.
   conversation's earlier turns, left it there). Each rank appends its new
   tokens' keys and values to its shard; the queries travel, and each
   partial output, with its lse, goes straight back to the rank that owns
-  the queries (``Ring.return_partials``), which merges them.
+  the queries (``Ring.return_partials``), which merges them. Which pass to
+  run is first a question of overlap (pass-KV whenever its blocks travel
+  while the ranks compute), and only then of bytes (``ring_traffic``).
 
 Which to pass (Meta's "Context Parallelism for Scalable Million-Token
 Inference", arXiv 2411.01783): count the bytes each sends per layer
