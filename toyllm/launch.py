@@ -32,8 +32,10 @@ How the launcher works, and why:
 - Rendezvous: the parent creates the ``TCPStore`` (a tiny key-value server
   all ranks use to find each other) on 127.0.0.1, port 0, so the operating
   system picks a free port and no other program can grab it between choosing
-  and using it. Every rank connects to that port. ``GLOO_SOCKET_IFNAME=lo``
-  keeps gloo on the loopback interface, whatever network the machine has.
+  and using it. Every rank connects to that port. ``GLOO_SOCKET_IFNAME``
+  keeps gloo on the loopback interface, whatever network the machine has:
+  the interface holding 127.0.0.1 (``loopback_interface``: ``lo`` on Linux,
+  ``lo0`` on macOS; on Windows it stays unset and gloo goes by the address).
 - Each rank reports back through its own pipe: "ready" after joining the
   process group, then one "ok" (with the pickled result) or one "error" (with
   the formatted traceback) per task, each with the exercises the task ran
@@ -75,7 +77,8 @@ import torch.multiprocessing as mp
 
 from . import answers
 from .checks import check_int, check_number
-from .supervise import describe_exit, signal_group
+from . import supervise
+from .supervise import KILL, describe_exit, signal_group
 
 BACKENDS = ("auto", "gloo", "nccl")
 HOST = "127.0.0.1"
@@ -109,6 +112,27 @@ class WorkerError(RuntimeError):
 
 # ----------------------------------------------------------------------------
 # small utilities
+
+def loopback_interface() -> str | None:
+    """The name of the network interface that holds 127.0.0.1, for ``GLOO_SOCKET_IFNAME``: found, not assumed
+    ("lo" on Linux, "lo0" on macOS). None on Windows, where gloo is left to find its way by the address."""
+    if supervise.windows():
+        return None
+    try:
+        import psutil
+
+        for name, addresses in psutil.net_if_addrs().items():
+            if any(a.family == socket.AF_INET and a.address == HOST for a in addresses):
+                return name
+    except Exception:                           # no psutil, or a system it cannot read
+        pass
+    return "lo0" if supervise.SYSTEM == "darwin" else "lo"
+
+
+def _loopback_env() -> dict[str, str]:
+    name = loopback_interface()
+    return {"GLOO_SOCKET_IFNAME": name} if name else {}
+
 
 def free_port(host: str = HOST) -> int:
     """A TCP port on ``host`` that was free a moment ago (bind to port 0, read it, release it).
@@ -254,7 +278,8 @@ def _worker_main(rank: int, world_size: int, backend: str, port: int, pg_timeout
                  threads_per_rank: int, parent_pid: int, conn) -> None:
     """Join the process group, then run tasks from ``conn`` until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's business; it kills us
-    os.setpgid(0, 0)                               # our own process group: shutdown reaches our children too
+    if hasattr(os, "setpgid"):
+        os.setpgid(0, 0)                           # our own process group: shutdown reaches our children too
     _exit_when_orphaned(parent_pid)
     torch.set_num_threads(threads_per_rank)        # p ranks share the cores: no oversubscription
     try:
@@ -324,7 +349,7 @@ class _Workers:
             _signal_groups(self.procs, signal.SIGTERM)
             _join_all(self.procs, _KILL_GRACE_S)
         finally:
-            _signal_groups(self.procs, signal.SIGKILL)     # workers ignoring SIGTERM, and their children
+            _signal_groups(self.procs, KILL)               # workers ignoring SIGTERM, and their children
             for p in self.procs:
                 p.join(_KILL_GRACE_S)
             for conn in self.conns:
@@ -346,7 +371,7 @@ class WorkerPool:
     is also the process group's timeout, so a collective never waits longer.
     ``threads_per_rank`` sets ``torch.set_num_threads`` in each worker. ``env``
     adds environment variables for the workers (it can override the defaults
-    ``GLOO_SOCKET_IFNAME=lo`` and ``OMP_NUM_THREADS``).
+    ``GLOO_SOCKET_IFNAME``, the loopback interface, and ``OMP_NUM_THREADS``).
 
     If a task fails on any rank, or runs past its limit, every process is
     killed and the pool is closed for good: the other ranks may be stuck in a
@@ -378,7 +403,7 @@ class WorkerPool:
             self._workers.store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False,
                                                 timeout=timedelta(seconds=self.timeout_s))
             port = self._workers.store.port
-            child_env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": str(threads_per_rank), **env}
+            child_env = {**_loopback_env(), "OMP_NUM_THREADS": str(threads_per_rank), **env}
             spawn = mp.get_context("spawn")
             with _patched_environ(child_env):
                 for rank in range(world_size):
@@ -593,7 +618,8 @@ def init_from_env(backend: str = "auto", timeout_s: float = 120.0) -> RankContex
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
     backend = _resolve_backend(backend, max(local_world_size, local_rank + 1))
     if os.environ["MASTER_ADDR"] in ("127.0.0.1", "localhost"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # one machine: stay on loopback
+        for name, value in _loopback_env().items():         # one machine: stay on loopback
+            os.environ.setdefault(name, value)
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", local_rank)

@@ -131,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--root", default="/autograder", help="Gradescope's folder (default: /autograder)")
     args = parser.parse_args(argv)
     if args.command == "run":
+        if not sys.platform.startswith("linux"):
+            print("error: the autograder runs in Gradescope's Linux container (its sandbox needs Linux)",
+                  file=sys.stderr)
+            return 2
         return run(Path(args.root))
     only = [p.strip() for chunk in args.only for p in chunk.split(",") if p.strip()] if args.only else None
     try:

@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 
+from ... import supervise
 from ...supervise import Terminated, stop_signals_as_interrupt
 from ...course import course_root
 from .grade import GradingError, grade
@@ -85,6 +86,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.class_dir is not None:
+        if not supervise.linux():
+            print("error: grading a class (--class) needs Linux: its sandboxes run as users of their own in "
+                  "namespaces of their own; grade one submission here with --impl DIR", file=sys.stderr)
+            return 2
         from .gradebook import run as grade_class
         return grade_class(args)
     if args.gradebook or args.results_dir or args.jobs is not None or args.regrade:

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ...supervise import become_subreaper, die_with_parent, signal_group
+from ...supervise import become_subreaper, child_options, signal_group
 from ...course import course_root, grading_tests_dir, solutions_dir
 from .outcome import outcome, read_log
 from .report import TestResult, printable
@@ -67,7 +67,7 @@ def remove_when_gone(folder: Path) -> None:
     global _reaper
     if _reaper is None or _reaper.poll() is not None:
         _reaper = subprocess.Popen([sys.executable, "-I", "-S", "-c", _REAPER], stdin=subprocess.PIPE,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **child_options(die=False))
     _reaper.stdin.write(os.fsencode(folder) + b"\0")
     _reaper.stdin.flush()
 
@@ -138,8 +138,7 @@ class Standby:
         if self.proc is None:
             self.proc = subprocess.Popen([sys.executable, "-m", "toyllm.grading.grader.standby"], cwd=self.home,
                                          env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=die_with_parent)
+                                         stderr=subprocess.DEVNULL, **child_options())
         atexit.register(self.close)
 
     def fits(self, settings: dict[str, str]) -> bool:
@@ -211,7 +210,7 @@ def run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env:
         env = {**Settings.trusted_environment(os.environ), **settings, **run, **_FIXED}
         with open(out, "wb") as sink:
             proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=sink, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
+                                    stdin=subprocess.DEVNULL, **child_options())
     try:
         if warm:                       # the next lesson or check finds Python, torch and a sandbox ready
             _standby = Standby(settings, template)

@@ -55,9 +55,14 @@ KNOWN_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock", "/de
 SCAN_DEPTH = 4              # folder levels below / searched for world-writable folders (about 0.1 s)
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
-# The per-mount flags a read-only remount must keep: {statvfs flag: mount flag}.
-_KEPT_FLAGS = {os.ST_NOSUID: _MS_NOSUID, os.ST_NODEV: _MS_NODEV, os.ST_NOEXEC: _MS_NOEXEC,
-               os.ST_NOATIME: 1024, os.ST_NODIRATIME: 2048, os.ST_RELATIME: 1 << 21}
+# The per-mount flags a read-only remount must keep: {statvfs flag: mount flag}. Linux's names; where
+# Python has none of them (macOS lacks most, Windows all) the namespaces are never made anyway.
+_KEPT_FLAGS = {getattr(os, st): flag for st, flag in
+               (("ST_NOSUID", _MS_NOSUID), ("ST_NODEV", _MS_NODEV), ("ST_NOEXEC", _MS_NOEXEC),
+                ("ST_NOATIME", 1024), ("ST_NODIRATIME", 2048), ("ST_RELATIME", 1 << 21)) if hasattr(os, st)}
+# Namespaces, the kernel's process options and /proc are Linux's: elsewhere the sandbox runs as a plain
+# process of the grader's user (the module docstring's last paragraph).
+LINUX = sys.platform.startswith("linux")
 _MNT_DETACH = 2
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
 # Sandbox user ids come from here (as root, no user named): far above any account a system creates.
@@ -98,6 +103,8 @@ def namespaces_work() -> bool:
     """Can this (root) process make the sandbox's namespaces (``_NAMESPACES``)? Tried once, in a throwaway
     child."""
     global _namespace_probe
+    if not LINUX or not hasattr(os, "fork"):
+        return False
     if _namespace_probe is None:
         pid = os.fork()
         if pid == 0:
@@ -114,6 +121,8 @@ def unused_id() -> int | None:
     user and group id: the sandbox's process limit then counts its own processes only, and nothing on the
     system belongs to it. None where this user namespace cannot switch to ids of that range (a container
     with a short id map)."""
+    if not LINUX:
+        return None
     import grp
     import pwd
     import random

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -57,7 +58,8 @@ from typing import BinaryIO, Callable, NamedTuple
 
 from . import guard
 from ... import course
-from ...supervise import become_subreaper, describe_exit, die_with_parent, signal_group
+from ... import supervise
+from ...supervise import become_subreaper, child_options, describe_exit, die_with_parent, signal_group
 from ..settings import Settings
 from .launcher import ID_RANGE, closed_folders, namespaces_work, unused_id
 
@@ -124,8 +126,8 @@ def sandbox_user() -> tuple[int, int] | None:
     As root with no user named in ``TOYLLM_SANDBOX_USER``, a fresh id per call (``launcher.unused_id``),
     so sandboxes graded side by side never share a process limit; where none can be had, ``nobody``.
     """
-    if os.geteuid() != 0:
-        return None
+    if not supervise.linux() or os.geteuid() != 0:
+        return None                   # elsewhere (macOS, Windows): the grader's user, see isolation()
     import pwd
 
     named = Settings.from_env(os.environ).user
@@ -147,7 +149,7 @@ def sandbox_user() -> tuple[int, int] | None:
 
 def isolation() -> str:
     """One line saying who runs the submission (shown with every grade)."""
-    if os.geteuid() != 0:
+    if not supervise.linux() or os.geteuid() != 0:
         return "the submission runs in its own process, as the grader's user"
     named = Settings.from_env(os.environ).user
     name = named or "nobody"
@@ -356,15 +358,11 @@ class Sandbox:
         scratch = Path(tempfile.mkdtemp(prefix="toyllm-sandbox-", dir=Settings.from_env(os.environ).scratch if private else None))
         if self.user is not None:
             os.chown(scratch, *self.user)
+        if supervise.windows():
+            return self._launch_over_tcp(scratch)
         parent, child = socket.socketpair()
-        env = {"PATH": os.defpath, "HOME": str(scratch), "TMPDIR": str(scratch), "LANG": "C.UTF-8",
-               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "PYTHONNOUSERSITE": "1",
-               "OMP_NUM_THREADS": "1",
-               # the submission's copy; the lesson's size switch, handed on if set
-               **Settings(impl=str(scratch / "submission"), fast=Settings.from_env(os.environ).fast).to_env()}
-        if "LD_LIBRARY_PATH" in os.environ:                    # where libpython is
-            env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
-        limits = f"{self.memory_mb},{CPU_LIMIT_S},{FILE_LIMIT_BYTES},{PROCESS_LIMIT if self.user else 0}"
+        env = self._environment(scratch)
+        limits = self._limits()
         user = f"{self.user[0]},{self.user[1]}" if self.user else "-"
         hide = os.pathsep.join(str(p) for p in self.hide)
         args = [str(scratch / "reference"), str(os.getpid()), limits, user, hide]
@@ -386,11 +384,72 @@ class Sandbox:
                 proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("launcher.py")),
                                          str(child.fileno()), *args], cwd=scratch, env=env,
                                         pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, stdout=write_only,
-                                        stderr=write_only, start_new_session=True, preexec_fn=die_with_parent)
+                                        stderr=write_only, **child_options())
         finally:
             os.close(write_only)
             child.close()
         return _Launched(proc, parent, output, scratch)
+
+    def _environment(self, scratch: Path) -> dict[str, str]:
+        env = {"PATH": os.defpath, "HOME": str(scratch), "TMPDIR": str(scratch), "LANG": "C.UTF-8",
+               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "PYTHONNOUSERSITE": "1",
+               "OMP_NUM_THREADS": "1",
+               # the submission's copy; the lesson's size switch, handed on if set
+               **Settings(impl=str(scratch / "submission"), fast=Settings.from_env(os.environ).fast).to_env()}
+        # where libpython is; Windows: what its Python needs to start (SYSTEMROOT) and where temporary files go
+        for name in ("LD_LIBRARY_PATH", "SYSTEMROOT", "SystemRoot", "TEMP", "TMP"):
+            if name in os.environ:
+                env[name] = os.environ[name]
+        if supervise.windows():
+            env.update(TEMP=str(scratch), TMP=str(scratch), USERPROFILE=str(scratch))
+        return env
+
+    def _limits(self) -> str:
+        return f"{self.memory_mb},{CPU_LIMIT_S},{FILE_LIMIT_BYTES},{PROCESS_LIMIT if self.user else 0}"
+
+    STARTUP_TIMEOUT_S = 120        # a sandbox's Python, started over TCP, connecting back (it imports nothing first)
+
+    def _launch_over_tcp(self, scratch: Path) -> _Launched:
+        """Windows: no descriptor can be handed to a child (``pass_fds``), nor an output file removed while open,
+        and there is no launcher to run (no user to become, no namespaces). The sandbox's Python is started
+        directly, as the grader's user; it connects back to a one-time listener on 127.0.0.1 and proves
+        itself with a token it was given; its output goes to a file in its scratch folder (removed with it)."""
+        token = secrets.token_hex(16)
+        listener = socket.create_server(("127.0.0.1", 0))
+        fd, path = tempfile.mkstemp(prefix="toyllm-sandbox-", suffix=".out", dir=scratch)
+        output = os.fdopen(fd, "rb")
+        write_only = os.open(path, os.O_WRONLY | os.O_APPEND)
+        try:
+            address = f"tcp:{listener.getsockname()[1]}:{token}"
+            proc = subprocess.Popen([sys.executable, "-c", "from toyllm.grading.sandbox.server import serve; serve()",
+                                     address, str(scratch / "reference"), str(os.getpid()), self._limits()],
+                                    cwd=scratch, env=self._environment(scratch), stdin=subprocess.DEVNULL,
+                                    stdout=write_only, stderr=write_only, **child_options())
+        finally:
+            os.close(write_only)
+        try:
+            deadline = time.monotonic() + self.STARTUP_TIMEOUT_S
+            while True:
+                listener.settimeout(max(deadline - time.monotonic(), 0.001))
+                try:
+                    sock, _ = listener.accept()
+                except socket.timeout:
+                    raise SubmissionCrash("the submission's process did not start") from None
+                sock.settimeout(10)
+                try:
+                    if sock.recv(len(token), socket.MSG_WAITALL).decode(errors="replace") == token:
+                        sock.settimeout(None)
+                        return _Launched(proc, sock, output, scratch)
+                except OSError:
+                    pass
+                sock.close()                # not ours: someone else reached the port
+        except BaseException:
+            signal_group(proc.pid)
+            proc.wait()
+            output.close()
+            raise
+        finally:
+            listener.close()
 
     def _files(self) -> dict[str, str]:
         """The submission as it is now: its files' text ({"submission/exNN_*.py": text})."""
@@ -455,7 +514,7 @@ class Sandbox:
             return False
         try:
             return pid == self._spare.proc.pid or os.getsid(pid) == self._spare.proc.pid
-        except OSError:
+        except (OSError, AttributeError):     # no sessions (Windows): only the spare itself is known
             return False
 
     def _end_descendants(self) -> None:

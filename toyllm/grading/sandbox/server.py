@@ -40,6 +40,7 @@ import sys
 import threading
 import traceback
 
+from ... import supervise
 from ...supervise import die_with_parent, name_process
 
 NAME = "toyllm-sandbox"        # what ps shows for a sandbox, whether a fresh Python or a zygote's copy
@@ -93,7 +94,7 @@ FRAMEWORK_MODULES = ("toyllm.grading.sandbox.harness", "toyllm.launch", "toyllm.
                      "toyllm.attention", "toyllm.model", "toyllm.cache", "toyllm.answers")
 
 
-def main(fd: int) -> None:
+def main(fd: int | socket.socket) -> None:
     import torch
 
     from toyllm import answers
@@ -108,7 +109,7 @@ def main(fd: int) -> None:
 
     torch.set_grad_enabled(False)           # as in the grader's own tests
     torch.set_num_threads(1)
-    sock = socket.socket(fileno=fd)
+    sock = fd if isinstance(fd, socket.socket) else socket.socket(fileno=fd)
     modules: dict[str, object] = {}          # "ex01" -> the submission's module
 
     def submission_files():
@@ -205,19 +206,50 @@ def main(fd: int) -> None:
 
 
 def serve() -> None:
-    """The sandbox process once it runs as the sandbox user (see ``launcher``): limits first, then serve."""
-    import resource
+    """The sandbox process once it runs as the sandbox user (see ``launcher``): limits first, then serve.
 
+    FD: the socket to the grader, a descriptor number, or on Windows ``tcp:PORT:TOKEN`` (connect to
+    127.0.0.1:PORT and send TOKEN: ``process.Sandbox._launch_over_tcp``)."""
     fd, _, parent_pid, limits = sys.argv[1:5]        # argv[2]: the launcher's REFERENCE, no longer used
     memory_mb, cpu_s, file_bytes, nproc = (int(x) for x in limits.split(","))
     die_with_parent()                                               # the grader's test process died: so do we
     name_process(NAME)
     if os.getppid() != int(parent_pid):
         os._exit(1)
-    resource.setrlimit(resource.RLIMIT_AS, (memory_mb * 2**20,) * 2)
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 5))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes,) * 2)
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    set_limits(memory_mb, cpu_s, file_bytes, nproc)
+    if fd.startswith("tcp:"):
+        _, port, token = fd.split(":")
+        sock = socket.create_connection(("127.0.0.1", int(port)))
+        sock.sendall(token.encode())
+        main(sock)
+    else:
+        main(int(fd))
+
+
+def set_limits(memory_mb: int, cpu_s: int, file_bytes: int, nproc: int) -> None:
+    """The sandbox's resource limits. On Linux every one is set or the sandbox does not start; elsewhere one
+    the system refuses (macOS: the address space) or lacks (Windows: all, no ``resource`` module) is skipped,
+    with one line on stderr saying so."""
+    try:
+        import resource
+    except ImportError:
+        if supervise.linux():
+            raise
+        print("toyllm sandbox: this system has no resource limits (no 'resource' module): the submission runs "
+              "without memory, CPU-time, file-size and process limits", file=sys.stderr, flush=True)
+        return
+    wanted = [("RLIMIT_AS", (memory_mb * 2**20,) * 2, "memory"), ("RLIMIT_CPU", (cpu_s, cpu_s + 5), "CPU-time"),
+              ("RLIMIT_FSIZE", (file_bytes,) * 2, "file-size"), ("RLIMIT_CORE", (0, 0), "core-file")]
     if nproc:
-        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-    main(int(fd))
+        wanted.append(("RLIMIT_NPROC", (nproc, nproc), "process"))
+    skipped = []
+    for name, limits, what in wanted:
+        try:
+            resource.setrlimit(getattr(resource, name), limits)
+        except (ValueError, OSError, AttributeError) as e:
+            if supervise.linux():              # there every limit is part of the sandbox: never without it
+                raise
+            skipped.append(f"{what} ({name}: {e})")
+    if skipped:
+        print(f"toyllm sandbox: this system refused some limits, skipped: {', '.join(skipped)}",
+              file=sys.stderr, flush=True)
