@@ -53,9 +53,11 @@ from ..stubs import HINT_LEVELS, make_stub
 # Files of the instructor edition that a class does not get: paths, and prefixes of paths (the grader's own
 # tests, tests/test_grader*.py, grade the model answers and the hostile submissions of the fixtures).
 # The tests of checking again and of step diagnostics are built from the model answers (they read solutions/,
-# and the diagnostics' test carries answer lines of 4.2 and 5.1).
-INSTRUCTOR_ONLY = ("solutions/", "tests/fixtures/", "tests/test_grader", "tests/test_grading_04_05.py",
-                   "tests/test_grading_09.py",
+# and the diagnostics' test carries answer lines of 4.2 and 5.1); so is the simulated platforms' test (it grades
+# solutions/). The fixtures hold hostile submissions and correct answers in other words; .github/ holds the
+# course repository's own workflow.
+INSTRUCTOR_ONLY = ("solutions/", "tests/fixtures/", ".github/", "tests/test_grader", "tests/test_grading_04_05.py",
+                   "tests/test_grading_09.py", "tests/test_platforms.py",
                    "tests/test_student_edition.py", "tests/test_checking_again.py", "tests/test_step_diagnostics.py",
                    "tests/test_stored_expected.py", "tests/test_messages.py", "docs/grading.md")
 
