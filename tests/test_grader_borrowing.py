@@ -50,7 +50,7 @@ SHIFT = bytes((i + 1) % 256 for i in range(256))
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_no_sandbox_holds_any_model_answer_whatever_exercise_it_serves(tmp_path, monkeypatch):
-    """A sandbox serving each exercise of the course in turn; the scan finds no line of any model answer.
+    """A sandbox serving an exercise of each lesson in turn; the scan finds no line of any model answer.
 
     The scan is checked on itself: a line of a model answer planted in the probe's own file is found.
     """
@@ -69,10 +69,10 @@ def test_no_sandbox_holds_any_model_answer_whatever_exercise_it_serves(tmp_path,
     monkeypatch.setenv(Settings.variable("impl"), str(submission))
     box = Sandbox(memory_mb=4096)
     try:
-        lessons = {}
-        for number in lines:                      # one exercise of each lesson: a sandbox serves one at a time
-            lessons.setdefault(number.split(".")[0], number)
-        for number in [*lessons.values(), *[n for n in ("2.1", "8.1", "9.3") if n in lines]]:
+        # A sandbox serves one exercise at a time: one of each lesson, where a lesson has them one whose graded
+        # tests run other exercises through the framework (2.1's kernel, 3.3 in 3.5, 8.2 in 8.1, 9.1 and 9.2
+        # in 9.3): a neighbour's model answer was once handed to the sandbox for those.
+        for number in ("1.1", "2.4", "3.5", "4.2", "5.2", "6.1", "7.3", "8.1", "9.3"):
             monkeypatch.setattr(process.context, "exercise", number)    # what the grader sets while it grades
             box.load("ex01")
             found = box.call(("exercise", "ex01", "scan"), (encoded,), {}, f"scan() serving {number}")
