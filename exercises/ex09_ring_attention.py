@@ -73,8 +73,10 @@ def ring_pass_kv_layer(layer, x, pos, ring, attention):
     your queries over one block, (out, lse), as in Exercise 9.2;
     ``layer.project(out)`` turns the merged out (B, H, c_r, D) into the
     attention output (B, c_r, d_model) that ``layer.finish`` takes. Each of
-    the p steps: send the block on (except at the last step), attend to the
-    block in hand, one ``ring.attend`` call, unless every key of it is in the
+    the p steps: first send the block on (except at the last step: p - 1
+    sends per layer, each begun before the attention over that block, as
+    the timeline shows), then attend to the block in hand, one
+    ``ring.attend`` call, unless every key of it is in the
     future of all your queries (skip it: no call, no dot products), merge
     (Exercise 9.1), then take the block that arrived. Returns (layer output
     (B, c_r, d_model), this rank's own k and v (B, Hkv, c_r, D), which stay

@@ -1651,19 +1651,6 @@ def block_attention(q, k, v, q_pos, k_pos):
     out = torch.einsum("bkgts,bksd->bkgtd", w, v.float())
     return out.reshape(B, H, T, D).to(q.dtype), lse.reshape(B, H, T)
 '''),
-    ("9.3", "the block waited for before the next is sent (no overlap)", '''
-def ring_pass_kv_layer(layer, x, pos, ring, attention):
-    q, k, v = layer.qkv(x, pos.cos, pos.sin)
-    block, out = (k, v), None
-    for step in range(ring.world_size):
-        keys_at = pos.layout[ring.origin(step)]
-        if keys_at[0] <= pos.q_pos[-1]:
-            part = ring.attend(q, block[0], block[1], pos.q_pos, keys_at, attention)
-            out = part if out is None else merge(out, part)
-        if step < ring.world_size - 1:
-            block = ring.pass_on(step, *block).wait()
-    return layer.finish(x, layer.project(out[0])), k, v
-'''),
     ("9.4", "counted per rank and summed", '''
 def ring_traffic(new_tokens, cached_tokens, n_heads, n_kv_heads, head_dim, world_size, bytes_per_value=4):
     for value, low in ((new_tokens, 1), (cached_tokens, 0), (n_heads, 1), (n_kv_heads, 1), (head_dim, 1),
