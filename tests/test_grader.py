@@ -1651,6 +1651,22 @@ def block_attention(q, k, v, q_pos, k_pos):
     out = torch.einsum("bkgts,bksd->bkgtd", w, v.float())
     return out.reshape(B, H, T, D).to(q.dtype), lse.reshape(B, H, T)
 '''),
+    ("9.3", "a while loop that stops at the last step, the skip by the block's smallest position", '''
+def ring_pass_kv_layer(layer, x, pos, ring, attention):
+    q, k, v = layer.qkv(x, pos.cos, pos.sin)
+    held, total, step = (k, v), None, 0
+    while True:
+        last = step == ring.world_size - 1
+        handle = None if last else ring.pass_on(step, *held)
+        keys_at = pos.layout[ring.origin(step)]
+        if int(keys_at.min()) <= int(pos.q_pos.max()):
+            part = ring.attend(q, *held, pos.q_pos, keys_at, attention)
+            total = part if total is None else merge(total, part)
+        if last:
+            break
+        held, step = handle.wait(), step + 1
+    return layer.finish(x, layer.project(total[0])), k, v
+'''),
     ("9.4", "counted per rank and summed", '''
 def ring_traffic(new_tokens, cached_tokens, n_heads, n_kv_heads, head_dim, world_size, bytes_per_value=4):
     for value, low in ((new_tokens, 1), (cached_tokens, 0), (n_heads, 1), (n_kv_heads, 1), (head_dim, 1),
