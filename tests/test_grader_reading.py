@@ -178,10 +178,15 @@ def test_links_and_odd_files_give_the_submission_nothing_and_cost_nothing(tmp_pa
     # The model answer behind the link scores nothing: the sandbox never got it.
     assert all(points[ex][0] == 0 for ex in points if ex.startswith("1.")), points
     # The work beside the junk, in latin-1 with its declaration, keeps every point (3.3 shows what it was given).
-    for ex in ("3.1", "3.2", "3.4", "3.5", "3.6"):
+    for ex in ("3.1", "3.2", "3.4", "3.6"):
         assert points[ex][0] == points[ex][1] > 0, (ex, points[ex])
     shown = [out for name, out in graded["outputs"].items() if name.startswith("Exercise 3.3: test_ex3_3")]
     assert shown and all("beside me: {}" in out for out in shown), shown
+    # 3.5 runs this submission's own 3.3 (no model answer stands in), so it fails with it, and says why.
+    assert points["3.5"][0] == 0, points["3.5"]
+    through = [out for name, out in graded["outputs"].items() if name.startswith("Exercise 3.5:")]
+    assert through and all("beside me: {}" in out and "(Exercise 3.3), which fails its own tests" in out
+                           for out in through), through
 
     # Nothing of what the links point at reaches a message, the table or results.json.
     visible = "\n".join([graded["table"], *graded["outputs"].values(), results.read_text()])

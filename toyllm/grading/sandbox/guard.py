@@ -218,6 +218,34 @@ def rules(exercise: str | None, forbidden=(), submission_files=(), swaps=()):
 _MISSING = object()
 
 
+def recording_neighbours(exercise: str | None, module: types.ModuleType | None) -> list[tuple]:
+    """(module, name, recorder) for the submission's own functions of its lesson's other marked exercises (3.5's
+    module holds 3.3's ``min_step_time_s``), as ``rules`` swaps: a call records that exercise in
+    ``toyllm.answers.ran``, as toyllm's own marked functions do, so that a test that failed through it names it
+    (``toyllm.grading.expect.neighbours_note``). The call itself runs the submission's function unchanged."""
+    from toyllm import answers
+
+    if exercise is None or module is None:
+        return []
+    lesson = answers.lesson_module(exercise)
+    out = []
+    for number, mark in answers.answer_marks().items():
+        fn = module.__dict__.get(mark.function)
+        if number != exercise and answers.lesson_module(number) == lesson and callable(fn):
+            out.append((module, mark.function, _recorder(number, fn)))
+    return out
+
+
+def _recorder(number: str, fn):
+    def recorded(*args, **kwargs):
+        from toyllm import answers
+
+        answers.ran.add(number)
+        return fn(*args, **kwargs)
+    recorded.__name__, recorded.__qualname__, recorded.__wrapped__ = fn.__name__, fn.__qualname__, fn
+    return recorded
+
+
 def swaps_for(exercise: str | None, submission: types.ModuleType, reference: types.ModuleType | None,
               called: str, neighbours: set[str] | None = None) -> list[tuple]:
     """(module, name, model answer) for every function of the lesson's other exercises that ``exercise``'s own

@@ -101,7 +101,7 @@ def main(fd: int | socket.socket) -> None:
 
     from . import guard, wire
     from .harness import cost_argument
-    from ...course import exercise_file, load_exercise, resolve_impl
+    from ...course import exercise_file, lesson_module, load_exercise, resolve_impl
 
     for name in FRAMEWORK_MODULES:
         importlib.import_module(name)
@@ -166,6 +166,9 @@ def main(fd: int | socket.socket) -> None:
                 reply = {"ok": True, "value": {"functions": functions, "file": path.name}}
             elif request["op"] == "call":
                 kind, *where = request["target"]
+                exercise = request.get("exercise")
+                # the submission's own functions of the lesson's other exercises note that they ran
+                swaps = guard.recording_neighbours(exercise, modules.get(lesson_module(exercise)) if exercise else None)
                 if kind == "exercise":
                     module_name, fn_name = where
                     fn = getattr(modules[module_name], fn_name)
@@ -180,7 +183,7 @@ def main(fd: int | socket.socket) -> None:
                     violations = [guard.tampering_message(request.get("exercise"), changed)]
                 else:
                     forbidden = request.get("forbidden", ())
-                    with guard.rules(request.get("exercise"), forbidden, submission_files()) as violations:
+                    with guard.rules(exercise, forbidden, submission_files(), swaps) as violations:
                         try:
                             value = fn(*request["args"], **request["kwargs"])
                             reply = {"ok": True, "value": value}
