@@ -44,7 +44,7 @@ $(STAMP): $(LOCK) Makefile
 demo: setup
 	$(PYTHON) -m toyllm demo
 
-# The fast tier, for every edit (about a minute): the tests that start no process (TOYLLM_CHECK=1 fails any
+# The fast tier, for every edit (under a minute): the tests that start no process (TOYLLM_CHECK=1 fails any
 # test that tries), run no notebook and open no browser. pyproject.toml's markers name the other slices.
 FAST_TIER := not slow and not engine and not grader and not notebook and not browser and not gpu
 check: setup
@@ -54,7 +54,7 @@ check: setup
 # JupyterLab in a headless Chromium) runs last, or is skipped with the install command when Chromium is missing.
 test: setup
 	@test -x /usr/bin/chromium && test -x /usr/bin/chromedriver || echo "make test: skipping the browser test; $(CHROMIUM_HINT)"
-	TOYLLM_IMPL=solutions TOYLLM_FAST=1 $(PYTHON) -m pytest tests --durations=15
+	TOYLLM_IMPL=solutions TOYLLM_FAST=1 $(PYTHON) -m pytest tests --durations=30
 
 # Only the browser test; screenshots of each lesson's first widget land in build/screenshots/.
 test-browser: setup
