@@ -7,4 +7,4 @@ the graded tests of ``tests/grading``) and registers the ``exercise`` and
 accepts command-line options from conftest files it reads before parsing
 the command line, and this is the one it always reads.
 """
-pytest_plugins = ["toyllm.grading.grader.plugin"]
+pytest_plugins = ["toyllm.grading.grader.plugin", "pytester"]

@@ -2,6 +2,11 @@
 
 ``make check`` (``TOYLLM_CHECK=1``) is the fast tier: the tests that start no process. There every way of
 starting one fails the test that tried, with the markers that take such a test out of the tier.
+
+A file marked ``library`` (``pytestmark = pytest.mark.library``) tests the library alone: while its tests run,
+in this process and every process they start, reaching an exercise fails the test
+(``toyllm.course.refuse_in_library_test``). The student edition's ``make test`` leaves these files out, since
+they cannot differ there; the course's run is what proves they run no exercise.
 """
 import os
 
@@ -29,6 +34,37 @@ def _no_process_in_the_fast_tier(monkeypatch):
         monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refused)
         monkeypatch.setattr(os, "fork", _refused)
     yield
+
+
+def pytest_collection_modifyitems(items):
+    """``library`` marks whole files: its guard is set before the file's own fixtures start any worker."""
+    for item in items:
+        module = item.getparent(pytest.Module)
+        if item.get_closest_marker("library") and not (module and module.get_closest_marker("library")):
+            raise pytest.UsageError(f"{item.nodeid} is marked library on its own: mark the whole file "
+                                    "(pytestmark = pytest.mark.library), or none of it")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _library_files_run_no_exercise(request, tmp_path_factory):
+    """In a file marked ``library``: any exercise reached, here or in a process started meanwhile, fails it.
+
+    Module-scoped and autouse, so the variable is set before the file's own module fixtures start worker
+    pools (they inherit it). The log file catches an error that a caller swallowed or a worker reported
+    back in other words.
+    """
+    if request.node.get_closest_marker("library") is None:
+        yield
+        return
+    from toyllm.course import LIBRARY_TEST_ENV
+
+    log = tmp_path_factory.mktemp("library") / "exercises_reached.txt"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(LIBRARY_TEST_ENV, str(log))
+        yield
+    if log.exists() and log.read_text().strip():
+        pytest.fail(f"{request.node.nodeid} is marked library, yet its tests reached: "
+                    f"{'; '.join(sorted(set(log.read_text().split(chr(10))) - {''}))}", pytrace=False)
 
 
 @pytest.fixture(scope="session")

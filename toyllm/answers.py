@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .course import (ANSWERS_ENV, COURSE_ENV, IMPL_ENV, SANDBOX_ENV,  # noqa: F401
-                     file_stamp, lesson_module, load_exercise, resolve_impl, solutions_dir)
+                     file_stamp, lesson_module, load_exercise, refuse_in_library_test, resolve_impl, solutions_dir)
 from .stubs import stub_exercises
 
 # Which implementation the marked functions call: "instructor" runs the model answers of solutions/,
@@ -123,7 +123,17 @@ def shortcut(*numbers: str, student: str | None = None, ships: str | None = None
                          f"exercise) or ships= (why the body may ship), not {'both' if student else 'neither'}")
 
     def mark(fn):
-        return fn
+        if student is None:
+            return fn
+
+        # The student edition's body of this function runs the exercise: a test of the library alone must not
+        # reach it (``toyllm.course.refuse_in_library_test``).
+        @functools.wraps(fn)
+        def library_function(*args, **kwargs):
+            refuse_in_library_test(f"{fn.__qualname__}, whose body in the student edition runs Exercise "
+                                   f"{', '.join(numbers)}")
+            return fn(*args, **kwargs)
+        return library_function
     return mark
 
 
@@ -151,6 +161,7 @@ def exercise(number: str):
     function found once is kept while its file is unchanged: the file's
     stamp (one ``stat``) is read again at most every ``RECHECK_S`` seconds.
     """
+    refuse_in_library_test(f"Exercise {number}")
     choice = (number, EDITION, os.getcwd(), *(os.environ.get(name) for name in _CHOICE_ENV))
     known = _found.get(choice)
     if known is not None:
@@ -180,9 +191,10 @@ def _find(number: str):
     feature, name = _entry(number)
     lesson = lesson_module(number)
     impl = _solutions_dir() if EDITION == "instructor" else None
-    if not any(resolve_impl(impl).glob(f"{lesson}_*.py")):       # a submission without this lesson's file
+    folder = resolve_impl(impl)
+    if not any(folder.glob(f"{lesson}_*.py")):       # a submission without this lesson's file
         raise ExerciseNotWritten(f"{feature} needs Exercise {number}: write {name} in {lesson}_*.py "
-                                 f"(there is no such file in {resolve_impl(impl).name}/)")
+                                 f"(there is no such file in {folder.name}/)")
     module = load_exercise(lesson, impl=impl)
     if _is_stub(module, number) or not callable(getattr(module, name, None)):
         raise ExerciseNotWritten(_not_written(number, feature, name, module))

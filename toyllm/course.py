@@ -30,6 +30,9 @@ from typing import Callable
 
 COURSE_ENV = "TOYLLM_COURSE_DIR"
 ANSWERS_ENV = "TOYLLM_ANSWERS"     # where the model answers are, if not solutions/ (the grader's sandbox sets it)
+# Set (to a file's path) while a test marked ``library`` runs, in its process and every process it starts: any
+# exercise reached then is written to that file and raises ``RanAnExercise`` (tests/conftest.py fails the test).
+LIBRARY_TEST_ENV = "TOYLLM_LIBRARY_TEST"
 _PARTS = ("exercises", "tests/grading")
 
 
@@ -139,6 +142,28 @@ def load_remotely_with(loader: Callable[[str], ModuleType]) -> None:
     _remote_loader = loader
 
 
+class RanAnExercise(RuntimeError):
+    """A test marked ``library`` reached an exercise: it is no test of the library alone."""
+
+
+def refuse_in_library_test(what: str) -> None:
+    """Raise ``RanAnExercise`` (after writing ``what`` to the file ``$TOYLLM_LIBRARY_TEST`` names) inside a test
+    marked ``library``; do nothing elsewhere.
+
+    The student edition's ``make test`` leaves such tests out, because they
+    cannot differ there: the two editions' libraries differ only where an
+    exercise runs (this function's callers). The written line is what proves
+    it even where a caller swallows the error or the exercise ran in a
+    worker process.
+    """
+    log = os.environ.get(LIBRARY_TEST_ENV)
+    if log:
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(what + "\n")
+        raise RanAnExercise(f"this test is marked library, yet it ran {what}; a test that runs an exercise is no "
+                            "test of the library alone: take the mark off its file")
+
+
 def file_stamp(path: str | os.PathLike) -> tuple[int, int]:
     """(modification time in ns, size in bytes) of a file: what says it changed since it was last read."""
     stat = os.stat(path)
@@ -158,6 +183,7 @@ def load_exercise(name: str, impl: str | os.PathLike | None = None) -> ModuleTyp
     edited since its last load is loaded again, so re-running a notebook
     cell picks up your latest code.
     """
+    refuse_in_library_test(f"the exercise file {name} (load_exercise)")
     if impl is None and os.environ.get(SANDBOX_ENV) == "1":
         # Inside the grader: the submission runs in the sandbox process, never here (see toyllm.grading.sandbox).
         if _remote_loader is None:
