@@ -52,9 +52,11 @@ check: setup
 
 # The whole suite, notebooks included, against the model answers. The browser test (the notebooks in
 # JupyterLab in a headless Chromium) runs last, or is skipped with the install command when Chromium is missing.
+# Each test's time lands in build/tests.xml: `.venv/bin/python .ci/test_times.py build/tests.xml` sums it by
+# file and by cause.
 test: setup
 	@test -x /usr/bin/chromium && test -x /usr/bin/chromedriver || echo "make test: skipping the browser test; $(CHROMIUM_HINT)"
-	TOYLLM_IMPL=solutions TOYLLM_FAST=1 $(PYTHON) -m pytest tests --durations=30
+	TOYLLM_IMPL=solutions TOYLLM_FAST=1 $(PYTHON) -m pytest tests --durations=30 --junitxml=build/tests.xml
 
 # Only the browser test; screenshots of each lesson's first widget land in build/screenshots/.
 test-browser: setup

@@ -155,12 +155,24 @@ def run_in(python: Path, code: str, timeout_s: float, tmp_path: Path) -> dict:
 FLAVOURS = [pytest.param("darwin", id="macos"), pytest.param("win32", id="windows")]
 
 
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory):
+    """flavour -> its simulated Python, made once per run (each test starts its own processes of it)."""
+    made: dict[str, Path] = {}
+
+    def python(flavour: str) -> Path:
+        if flavour not in made:
+            made[flavour] = fake_python(tmp_path_factory.mktemp("pythons"), flavour)
+        return made[flavour]
+    return python
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("flavour", FLAVOURS)
-def test_the_simulation_is_what_it_says(tmp_path, flavour):
+def test_the_simulation_is_what_it_says(tmp_path, simulated, flavour):
     """The simulated system lacks what it should, and toyllm sees the flavour, before toyllm is imported."""
-    python = fake_python(tmp_path, flavour)
+    python = simulated(flavour)
     got = run_in(python, """
         import json, os, signal, sys
         missing_os = [n for n in ("ST_NODEV", "ST_RELATIME", "fork", "killpg", "getuid") if not hasattr(os, n)]
@@ -193,10 +205,10 @@ def test_the_simulation_is_what_it_says(tmp_path, flavour):
 @pytest.mark.engine
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("flavour", FLAVOURS)
-def test_lessons_run(tmp_path, flavour):
+def test_lessons_run(tmp_path, simulated, flavour):
     """import toyllm, toyllm.grading, toyllm.launch; a model; naive and cached generation agree; a 2-process
     prefill (TSP and KVR on gloo over 127.0.0.1) equals one process."""
-    python = fake_python(tmp_path, flavour)
+    python = simulated(flavour)
     got = run_in(python, """
         import json, os
         import torch
@@ -226,9 +238,9 @@ def test_lessons_run(tmp_path, flavour):
 @pytest.mark.grader
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("flavour", FLAVOURS)
-def test_a_student_grades_their_work(tmp_path, flavour):
+def test_a_student_grades_their_work(tmp_path, simulated, flavour):
     """grade(impl="solutions", only="ex03") gives full marks, unsandboxed (the grader's user, no namespaces)."""
-    python = fake_python(tmp_path, flavour)
+    python = simulated(flavour)
     got = run_in(python, """
         import json
         from toyllm.grading import grade
