@@ -3,12 +3,20 @@
 ``make check`` (``TOYLLM_CHECK=1``) is the fast tier: the tests that start no process. There every way of
 starting one fails the test that tried, with the markers that take such a test out of the tier.
 """
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 torch.set_grad_enabled(False)
+
+# Compiled steps the tests build go to a folder of this session (and its processes), never the user's cache.
+_CACHE = tempfile.mkdtemp(prefix="toyllm-test-cache-")
+os.environ["TOYLLM_CACHE"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 CHECK_ENV = "TOYLLM_CHECK"
 _SLICES = "slow, engine, grader, notebook, browser or gpu"
