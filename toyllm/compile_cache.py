@@ -122,6 +122,9 @@ class CompileReport:
 
     def line(self) -> str:
         way = "ahead of time (AOTInductor)" if self.mode == "ahead" else "just in time (torch.compile)"
+        if self.how == "loaded" and self.mode == "jit":
+            return (f"decode step compiled {way} in {self.seconds:.1f} s, its generated code found in "
+                    f"Inductor's cache ({self.path})")
         if self.how == "loaded":
             return f"decode step compiled {way}: loaded from the cache in {self.seconds:.1f} s ({self.path})"
         kept = (f"kept in {self.path}" if self.mode == "ahead" else f"Inductor's cache in {self.path}") \
