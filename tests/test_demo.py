@@ -69,7 +69,8 @@ def test_the_fast_path_says_how_its_step_was_made_and_times_it_beside_fp32_eager
     out = io.StringIO()
     data = toyllm.demo.demo_fast_path(rounds=5, new_tokens=4, answer_tokens=4, out=out)
     lines = out.getvalue().splitlines()
-    assert lines[1] == f"  decode step compiled ahead of time (AOTInductor): loaded from the cache in 2.0 s ({tmp_path / 'step-x'})"
+    assert lines[1] == ("  decode step compiled ahead of time (AOTInductor): loaded from the cache in 2.0 s "
+                        f"({tmp_path / 'step-x'})")
     assert lines[2].startswith("  int4, compiled ahead: ") and "fp32 eager:" in lines[2] and "MISSES Paris" in lines[2]
     assert lines[3].startswith("  per token, int4, compiled ahead ") and "vs fp32 eager" in lines[3]
     assert len(data["fast_runs_s"]) == len(data["eager_runs_s"]) == 5 and not data["paris"]

@@ -109,7 +109,7 @@ def weights_identity(model) -> str:
         for attr, t in sorted(tensors.items()):
             if t is not None:
                 digest.update(f"{name}.{attr}:{t.dtype}:{tuple(t.shape)}".encode())
-                digest.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                digest.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return "tensors sha256:" + digest.hexdigest()
 
 
@@ -117,7 +117,7 @@ def step_key(model, batch: int, capacity: int) -> dict:
     """Everything that changes an ahead-of-time step's compiled code: the key of its cache entry."""
     return {"step_version": COMPILED_STEP_VERSION, "weights": weights_identity(model),
             "format": weight_format(model), "config": dataclasses.asdict(model.config), "batch": batch,
-            "capacity": capacity, "torch": torch.__version__,
+            "capacity": capacity, "device": model.rope_cos.device.type, "torch": torch.__version__,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine(),
             "system": platform.system()}
 

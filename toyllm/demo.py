@@ -74,10 +74,9 @@ def demo_fast_path(rounds: int = 5, new_tokens: int = 16, answer_tokens: int = 4
         eager_runs.append(generate(fp32, ids, new_tokens).tpot_s)
         fast_runs.append(generate(fast, ids, new_tokens, compile="ahead").tpot_s)
     verdict = compare(fast_runs, eager_runs)
-    way = f"{FAST_WEIGHTS}, compiled ahead"
+    way, paris = f"{FAST_WEIGHTS}, compiled ahead", "names Paris" if "Paris" in text else "MISSES Paris"
     print(f"  {way}: {1 / statistics.median(fast_runs):5.1f} tokens/s, fp32 eager: "
-          f"{1 / statistics.median(eager_runs):5.1f} tokens/s; answer {'names Paris' if 'Paris' in text else 'MISSES Paris'}: "
-          f"{text.strip()!r}", file=out)
+          f"{1 / statistics.median(eager_runs):5.1f} tokens/s; answer {paris}: {text.strip()!r}", file=out)
     print(f"  per token, {verdict.sentence(way, 'fp32 eager')}", file=out)
     return {"report": report, "answer": text, "paris": "Paris" in text, "fast_runs_s": fast_runs,
             "eager_runs_s": eager_runs, "verdict": verdict}

@@ -46,7 +46,8 @@ def bucket_cost(weights: str = "int4", tokens=(69,), rounds: int = 7, steps: int
         bucket = capacity_bucket(n, model.config.max_context)
         if n <= steps or bucket == n:
             raise ValueError(f"--tokens {n}: needs more than {steps} tokens and a bucket ({bucket}) above it")
-        exact, rounded = CompiledDecoder(model, n, ahead_of_time=True), CompiledDecoder(model, bucket, ahead_of_time=True)
+        exact = CompiledDecoder(model, n, ahead_of_time=True)
+        rounded = CompiledDecoder(model, bucket, ahead_of_time=True)
         for decoder in (exact, rounded):
             out(f"capacity {decoder.capacity}: {decoder.build().line()}")
         prompt = torch.randint(0, model.config.vocab_size, (1, n - steps), generator=torch.Generator().manual_seed(0))
