@@ -126,7 +126,7 @@ def check_generate(args) -> tuple:
                                           f"--attention {args.attention} applies to --compile off")
     _check(not args.no_cache or args.compile != "off",
            "--no-cache applies to a compiled step: give it with --compile jit or --compile ahead")
-    args.cache = args.cache or "dynamic"
+    args.cache = args.cache or ("dynamic" if args.compile == "off" else "static")   # the compiled step's is static
     if args.method == "naive":
         _check(args.cache == "dynamic", "--cache applies to --method cached; naive generation keeps no cache")
     _check(args.headroom >= 0, f"--headroom must be >= 0 rows, got {args.headroom}")

@@ -37,7 +37,6 @@ def cmd_generate(args, prepared: tuple) -> int:
         report = decoder.build()
         if not args.json:
             print(report.line(), flush=True)
-        cache = "static"
     result = generate(model, ids, args.max_new_tokens, method=args.method, cache=cache,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                       eos_id=tokenizer.eos_id, on_token=streamer, compile=compile_mode)

@@ -159,7 +159,7 @@ def _entry_problem(folder: Path, key: dict) -> str:
 
 def load_or_build(key: dict, build: Callable[[Path], None], load: Callable[[Path], object],
                   use_cache: bool = True) -> tuple[object, CompileReport]:
-    """The step for ``key``: loaded from its cache entry, or built and kept there.
+    """The step for ``key``: loaded from its cache entry, or built and kept there; and how (a ``CompileReport``).
 
     build(path): compile and write the package to ``path``; load(path): the
     callable step from a package. ``use_cache=False`` builds into a temporary

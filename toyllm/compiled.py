@@ -268,22 +268,28 @@ class CompiledDecoder:
 
 class _inductor_cache:
     """Point Inductor's own cache (``TORCHINDUCTOR_CACHE_DIR``, read at each use) at ``folder`` for a while;
-    None leaves it where it is."""
+    None turns its caches off meanwhile (``--no-cache``: compile afresh, keep nothing)."""
 
     def __init__(self, folder: Path | None):
-        self.folder, self.before = folder, None
+        self.folder, self.before, self.off = folder, None, None
 
     def __enter__(self):
-        if self.folder is not None:
-            self.before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.folder)
+        if self.folder is None:
+            import torch._inductor.config
+
+            self.off = torch._inductor.config.patch(force_disable_caches=True)
+            self.off.__enter__()
+            return
+        self.before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.folder)
 
     def __exit__(self, *exc):
-        if self.folder is not None:
-            if self.before is None:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-            else:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = self.before
+        if self.off is not None:
+            self.off.__exit__(*exc)
+        elif self.before is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = self.before
 
 
 # One compiled step per (model, batch, bucket), kept as long as the model lives: compiling takes tens of
