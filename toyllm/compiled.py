@@ -165,6 +165,10 @@ class CompiledDecoder:
         self.k = torch.zeros(shape, device=device)                       # (L, B, Hkv, capacity, D)
         self.v = torch.zeros(shape, device=device)
         self.length = 0                                                  # tokens written so far
+        # The step's token input: one tensor, always the same, so the compiled step sees the same strides at
+        # every call (a column sliced from generate's (B, T + n) buffer has strides that change with T + n,
+        # and torch.compile would compile again for each)
+        self._tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)  # (B, 1)
         if ahead_of_time:
             check_ahead_of_time(model)
         self.ahead_of_time, self.cache = ahead_of_time, cache
@@ -223,7 +227,8 @@ class CompiledDecoder:
             raise ValueError(f"a decode step takes one token per sequence, got {tokens.shape[1]}")
         if self._compiled is None:
             self.build()
-        return self._compiled(tokens, self._positions(1), self.k, self.v)
+        self._tokens.copy_(tokens)
+        return self._compiled(self._tokens, self._positions(1), self.k, self.v)
 
     @torch.inference_mode()
     def build(self) -> "compile_cache.CompileReport":
@@ -233,8 +238,7 @@ class CompiledDecoder:
         model = self._model()
         # An example step at the last row: that row is masked until a token is written there, which
         # overwrites it, so the rows of a prompt already prefilled are left as they are.
-        tokens = torch.zeros(self.batch, 1, dtype=torch.long, device=self.k.device)
-        pos = model.position_ids[self.capacity - 1:self.capacity]
+        tokens, pos = self._tokens, model.position_ids[self.capacity - 1:self.capacity]
         if self.ahead_of_time:
             self._compiled, self.report = compile_cache.load_or_build(
                 step_key(model, self.batch, self.capacity), lambda path: self._compile_ahead(tokens, pos, path),
