@@ -13,7 +13,7 @@ import torch
 
 torch.set_grad_enabled(False)
 
-# Compiled steps the tests build go to a folder of this session (and its processes), never the user's cache.
+# Compiled steps the tests build go to a temporary folder of this test run (and its processes), never the user's cache.
 _CACHE = tempfile.mkdtemp(prefix="toyllm-test-cache-")
 os.environ["TOYLLM_CACHE"] = _CACHE
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
