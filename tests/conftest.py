@@ -8,12 +8,20 @@ in this process and every process they start, reaching an exercise fails the tes
 (``toyllm.course.refuse_in_library_test``). The student edition's ``make test`` leaves these files out, since
 they cannot differ there; the course's run is what proves they run no exercise.
 """
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 torch.set_grad_enabled(False)
+
+# Compiled steps the tests build go to a temporary folder of this test run (and its processes), never the user's cache.
+_CACHE = tempfile.mkdtemp(prefix="toyllm-test-cache-")
+os.environ["TOYLLM_CACHE"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 CHECK_ENV = "TOYLLM_CHECK"
 _SLICES = "slow, engine, grader, notebook, browser or gpu"

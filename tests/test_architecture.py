@@ -102,7 +102,7 @@ def test_the_cycle_finder_finds_a_cycle():
 
 # Lower layers never import higher ones (docs/architecture.md draws the same picture).
 LAYERS = [
-    {"toyllm.utils", "toyllm.timeline", "toyllm.gguf_file", "toyllm.supervise", "toyllm.checks",
+    {"toyllm.utils", "toyllm.timeline", "toyllm.gguf_file", "toyllm.supervise", "toyllm.checks", "toyllm.compile_cache",
      # the course: which implementation of the exercises runs, and the sandbox that runs a submission
      "toyllm.answers", "toyllm.course", "toyllm.stubs",
      "toyllm.grading.settings",

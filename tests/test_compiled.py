@@ -45,7 +45,8 @@ def test_a_second_call_reuses_the_compiled_step(tiny_models):
     first = compiled_decoder(model, len(PROMPT) + 12)
     generate(model, PROMPT, 12, compile=True)
     assert compiled_decoder(model, len(PROMPT) + 12) is first
-    assert compiled_decoder(model, len(PROMPT) + 13) is not first        # another length, another step
+    assert compiled_decoder(model, len(PROMPT) + 13) is first            # another length in the same bucket
+    assert compiled_decoder(model, 300) is not first                     # another bucket, another step
     # the prompt may change: a reset decoder masks out what the last request left
     other = [7] * len(PROMPT)
     assert generate(model, other, 12, compile=True).output_ids == generate(model, other, 12).output_ids

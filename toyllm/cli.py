@@ -1,6 +1,6 @@
 """Command line: ``python -m toyllm <command> ...``.
 
-Commands: demo, generate, prefill, search, serve, bench, grade. Every command that
+Commands: demo, generate, prefill, search, serve, bench, grade, cache. Every command that
 measures something accepts ``--json`` and then prints one JSON object.
 
 Each command is two functions: ``check_*`` turns the flags into what the work
@@ -23,7 +23,7 @@ import torch
 from . import answers, grading
 from .attention import ATTENTION_KERNELS
 from .cache import CACHES
-from .commands import cmd_bench, cmd_demo, cmd_generate, cmd_grade, cmd_prefill, cmd_search, cmd_serve
+from .commands import cmd_bench, cmd_cache, cmd_demo, cmd_generate, cmd_grade, cmd_prefill, cmd_search, cmd_serve
 from .measure import usable_cores
 from .model import PRESETS, get_config
 from .quant import WEIGHT_FORMATS
@@ -118,6 +118,15 @@ def check_generate(args) -> tuple:
     _check_seed(args.seed)
     _check(args.top_k is None or 1 <= args.top_k <= vocab,
            f"--top-k {args.top_k}: top-k must be between 1 and {args.model}'s vocabulary size ({vocab})")
+    if args.compile != "off":
+        _check(args.method == "cached" and args.cache is None and args.headroom == 0,
+               f"--compile {args.compile} runs the cached method with the compiled step's own fixed-size cache; "
+               "leave out --method naive, --cache and --headroom")
+        _check(args.attention == "dense", f"--compile {args.compile} runs PyTorch's fused attention kernel; "
+                                          f"--attention {args.attention} applies to --compile off")
+    _check(not args.no_cache or args.compile != "off",
+           "--no-cache applies to a compiled step: give it with --compile jit or --compile ahead")
+    args.cache = args.cache or ("dynamic" if args.compile == "off" else "static")   # the compiled step's is static
     if args.method == "naive":
         _check(args.cache == "dynamic", "--cache applies to --method cached; naive generation keeps no cache")
     _check(args.headroom >= 0, f"--headroom must be >= 0 rows, got {args.headroom}")
@@ -139,6 +148,10 @@ def check_generate(args) -> tuple:
                          "pass UTF-8 text") from None
     model, tokenizer = _check_request(f"--model {args.model}", load_model, args.model, attention=args.attention,
                                       weights=args.weights)
+    if args.compile == "ahead":
+        from .compiled import check_ahead_of_time
+
+        _check_request(f"--compile ahead --weights {args.weights}", check_ahead_of_time, model)
     # Only a real model's tokenizer carries a chat template; the byte tokenizer's "role: text" lines mean
     # nothing to a randomly initialised model.
     _check(not args.chat or getattr(tokenizer, "chat_template", None) is not None,
@@ -178,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--method", choices=list(GENERATION_METHODS), default="cached")
-    g.add_argument("--cache", choices=sorted(CACHES), default="dynamic")
+    g.add_argument("--cache", choices=sorted(CACHES), default=None, help="the eager KV cache (default dynamic)")
     g.add_argument("--headroom", type=int, default=0, metavar="ROWS",
                    help="spare rows the growing cache keeps per sequence: it copies itself every ROWS + 1 "
                         "tokens instead of every token (0: torch.cat every token)")
@@ -190,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sample among the k most likely tokens (1 to the vocabulary size)")
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=None, help="seed of the sampler, 0 to 2**63-1")
+    g.add_argument("--compile", choices=["off", "jit", "ahead"], default="off",
+                   help="run the decode steps compiled: jit (torch.compile) or ahead (AOTInductor, weights fp32, "
+                        "int8 or int4); the compiled step is kept in the cache folder (python -m toyllm cache list)")
+    g.add_argument("--no-cache", action="store_true",
+                   help="compile the step afresh and keep nothing in the cache folder")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
     f = sub.add_parser("prefill", help="prefill a random prompt on one or several processes (single, tsp, kvr, ring)",
@@ -272,6 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
     grading.add_arguments(sub.add_parser("grade", help="grade the exercises: points per exercise, Gradescope results.json"))
+
+    c = sub.add_parser("cache", help="the compiled decode steps kept on disk: list them, or clear the folder",
+                       description="The folder: $TOYLLM_CACHE, else the user's cache folder (toyllm.compile_cache).")
+    c.add_argument("action", choices=["list", "clear"])
+    c.add_argument("--json", action="store_true")
 
     b = sub.add_parser("bench", help="run the benchmarks and write their tables to a Markdown file")
     b.add_argument("--out", default="docs/benchmarks.md", help="the Markdown file to (re)write; its folder must exist")
@@ -473,7 +496,8 @@ def _nothing_to_check(args) -> None:
 # run does the work, and an exception there is a failure (or a bug) and keeps its traceback.
 COMMANDS = {"generate": (check_generate, cmd_generate), "demo": (_nothing_to_check, cmd_demo),
             "prefill": (check_prefill, cmd_prefill), "search": (check_search, cmd_search),
-            "serve": (check_serve, cmd_serve), "bench": (check_bench, cmd_bench), "grade": (check_grade, cmd_grade)}
+            "serve": (check_serve, cmd_serve), "bench": (check_bench, cmd_bench), "grade": (check_grade, cmd_grade),
+            "cache": (_nothing_to_check, cmd_cache)}
 
 
 def main(argv: list[str] | None = None) -> int:

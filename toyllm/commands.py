@@ -25,12 +25,25 @@ def cmd_generate(args, prepared: tuple) -> int:
     cache = args.cache
     if args.headroom:                                   # check_generate allows it with the dynamic cache only
         cache = make_cache(args.cache, model.config, len(ids) + args.max_new_tokens, headroom=args.headroom)
+    report, compile_mode = None, {"off": False, "jit": True, "ahead": "ahead"}[args.compile]
+    if compile_mode is not False:
+        from .compiled import compiled_decoder
+
+        # compiled (or loaded) before the first token, so that TTFT times the generation alone
+        decoder = compiled_decoder(model, len(ids) + args.max_new_tokens, ahead_of_time=compile_mode == "ahead",
+                                   cache=not args.no_cache)
+        if not args.json:
+            print(f"preparing the decode step ({args.weights}, --compile {args.compile}) ...", flush=True)
+        report = decoder.build()
+        if not args.json:
+            print(report.line(), flush=True)
     result = generate(model, ids, args.max_new_tokens, method=args.method, cache=cache,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                      eos_id=tokenizer.eos_id, on_token=streamer)
+                      eos_id=tokenizer.eos_id, on_token=streamer, compile=compile_mode)
     text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
     if args.json:
         print(json.dumps({"model": args.model, "weights": args.weights, "method": args.method, "cache": args.cache,
+                          "compile": args.compile, "compile_report": report.to_json() if report else None,
                           "headroom": args.headroom, "prompt_ids": result.prompt_ids,
                           "output_ids": result.output_ids, "text": text,
                           "ttft_s": result.ttft_s, "tpot_s": result.tpot_s,
@@ -38,6 +51,28 @@ def cmd_generate(args, prepared: tuple) -> int:
     else:
         print(f"\n[{len(result.output_ids)} tokens, TTFT {result.ttft_s * 1e3:.1f} ms, "
               f"{result.tpot_s * 1e3:.1f} ms per token after the first]")
+    return 0
+
+
+def cmd_cache(args, _prepared=None) -> int:
+    from .compile_cache import cache_bytes, cache_root, clear_cache, list_entries
+
+    root = cache_root()
+    if args.action == "clear":
+        freed = clear_cache()
+        print(json.dumps({"folder": str(root), "freed_bytes": freed}) if args.json
+              else f"cleared {root}: {freed} bytes freed")
+        return 0
+    entries = list_entries()
+    if args.json:
+        print(json.dumps({"folder": str(root), "bytes": cache_bytes(), "entries": entries}))
+        return 0
+    print(f"{root}: {cache_bytes()} bytes in all, {len(entries)} compiled step(s)")
+    for e in entries:
+        k = e["key"] or {}
+        what = (f"{k.get('format')}, batch {k.get('batch')}, capacity {k.get('capacity')} tokens, torch {k.get('torch')}, "
+                f"{k.get('cpu_capability')}" if k else "unreadable metadata")
+        print(f"  {e['name']}  {e['bytes']:>12} bytes  {what}")
     return 0
 
 

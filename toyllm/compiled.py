@@ -21,7 +21,8 @@ same weights and kernels); only the attention is PyTorch's fused kernel
 over the masked buffer instead of the model's attention function. Greedy
 tokens match the eager path (tested); logits agree to rounding.
 
-Use it through ``generate(..., compile=True)``. The eager path stays the
+Use it through ``generate(..., compile=True)`` or ``python -m toyllm
+generate --compile jit``. The eager path stays the
 one the lessons read; this one is an engine option.
 
 ``generate(..., compile="ahead")`` compiles the same step ahead of time
@@ -30,22 +31,95 @@ shared library from it, which the step then calls with no Python tracing
 machinery (no guards to check) between the calls. Its weight kernels must
 be ATen operators (float32, int8, int4): AOTInductor cannot call back into
 Python, which FBGEMM's and oneDNN's packed formats (fp16, bf16) need.
+
+What triggers a compile. The buffers hold a bucket of tokens, not the
+request's exact length: the prompt plus the new tokens rounded up to a power
+of two from 256 (``capacity_bucket``: 256, 512, 1024, ... up to the model's
+max_context). So a new prompt length or token count compiles nothing while
+it stays in its bucket; a compile happens for a new (weight format, batch
+size, bucket), once per process for ``compile=True`` and once per machine
+for ``compile="ahead"``: its package is kept in the cache folder
+(``toyllm.compile_cache``), keyed by everything that changes the compiled
+code (the model file's sha256, or the weights' own for a model not read from
+a file; the weight format; batch; bucket; the model's shape; torch's
+version; the CPU capability PyTorch found; ``COMPILED_STEP_VERSION``), and a
+later process loads it in seconds. Just-in-time steps get Inductor's own
+cache in the same folder, which saves the C++ compiler's work on a second
+run but still traces the model (docs/benchmarks.md gives the seconds).
+The price of the bucket: every row past the last token still costs each
+step a little (docs/benchmarks.md, "capacity buckets", measures it).
 """
 from __future__ import annotations
 
-import tempfile
+import dataclasses
+import hashlib
+import os
+import platform
+import time
 import weakref
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from . import compile_cache
 from .attention import group_queries
+from .quant import weight_format
 
 # Inductor's settings for the step: treat the weights as constants (freezing lets it prepack them for
 # its kernels and fold what depends only on them) and call the kernels from generated C++, not Python.
 INDUCTOR_OPTIONS = {"freezing": True, "cpp_wrapper": True}
 COMPILE_MODES = (True, "ahead")   # generate(compile=...): just in time (torch.compile) or ahead of time (AOTInductor)
+# Part of every cache key: change it whenever _forward or the options above change what is compiled, so that
+# packages kept from an older toyllm are not loaded.
+COMPILED_STEP_VERSION = 1
+SMALLEST_BUCKET = 256             # tokens: the smallest capacity a compiled step is built for
+
+
+def capacity_bucket(tokens: int, max_context: int) -> int:
+    """The capacity (tokens) a compiled step for ``tokens`` tokens is built for: the smallest power of two
+    from ``SMALLEST_BUCKET`` that holds them, at most ``max_context``."""
+    if not 1 <= tokens <= max_context:
+        raise ValueError(f"a compiled step holds 1 to max_context={max_context} tokens, asked for {tokens}")
+    bucket = SMALLEST_BUCKET
+    while bucket < tokens:
+        bucket *= 2
+    return min(bucket, max_context)
+
+
+def check_ahead_of_time(model) -> None:
+    """Raise a ValueError unless every weight kernel of ``model`` is an ATen operator AOTInductor can call."""
+    untraceable = sorted({type(m).__name__ for m in model.modules() if getattr(m, "traceable", True) is False})
+    if untraceable:
+        raise ValueError(f"compile='ahead' needs weight kernels that are ATen operators (formats fp32, int8, "
+                         f"int4); this model has {', '.join(untraceable)}, which calls back into Python")
+
+
+def weights_identity(model) -> str:
+    """What names the model's weights in a cache key: the sha256 of the GGUF file it was read from
+    (``load_model`` records the path), else a sha256 of its tensors (a randomly initialised preset).
+    A model whose weights are changed after loading must not claim its file: leave ``gguf_path`` unset."""
+    path = getattr(model, "gguf_path", None)
+    if path:
+        return "gguf sha256:" + compile_cache.file_digest(path)
+    digest = hashlib.sha256()
+    for name, module in model.named_modules():
+        tensors = {**module._parameters, **module._buffers,
+                   **{k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}}
+        for attr, t in sorted(tensors.items()):
+            if t is not None:
+                digest.update(f"{name}.{attr}:{t.dtype}:{tuple(t.shape)}".encode())
+                digest.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return "tensors sha256:" + digest.hexdigest()
+
+
+def step_key(model, batch: int, capacity: int) -> dict:
+    """Everything that changes an ahead-of-time step's compiled code: the key of its cache entry."""
+    return {"step_version": COMPILED_STEP_VERSION, "weights": weights_identity(model),
+            "format": weight_format(model), "config": dataclasses.asdict(model.config), "batch": batch,
+            "capacity": capacity, "device": model.rope_cos.device.type, "torch": torch.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine(),
+            "system": platform.system()}
 
 
 class _Step(torch.nn.Module):
@@ -68,9 +142,13 @@ class CompiledDecoder:
     ``reset()`` starts over (the old rows stay but are masked out).
     ahead_of_time: compile with ``torch.export`` and AOTInductor (see the
     module's docstring) instead of ``torch.compile``.
+    cache: keep the compiled step in the cache folder and load it from there
+    (``toyllm.compile_cache``); False compiles and keeps nothing.
+    ``build()`` compiles (or loads) now; otherwise the first step does.
+    ``report`` then says how it went (``compile_cache.CompileReport``).
     """
 
-    def __init__(self, model, capacity: int, batch: int = 1, ahead_of_time: bool = False):
+    def __init__(self, model, capacity: int, batch: int = 1, ahead_of_time: bool = False, cache: bool = True):
         cfg = model.config
         if not 1 <= capacity <= cfg.max_context:
             raise ValueError(f"capacity must be between 1 and max_context={cfg.max_context} tokens, got {capacity}")
@@ -87,15 +165,15 @@ class CompiledDecoder:
         self.k = torch.zeros(shape, device=device)                       # (L, B, Hkv, capacity, D)
         self.v = torch.zeros(shape, device=device)
         self.length = 0                                                  # tokens written so far
+        # The step's token input: one tensor, always the same, so the compiled step sees the same strides at
+        # every call (a column sliced from generate's (B, T + n) buffer has strides that change with T + n,
+        # and torch.compile would compile again for each)
+        self._tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)  # (B, 1)
         if ahead_of_time:
-            untraceable = sorted({type(m).__name__ for m in model.modules() if getattr(m, "traceable", True) is False})
-            if untraceable:
-                raise ValueError(f"compile='ahead' needs weight kernels that are ATen operators (formats fp32, int8, "
-                                 f"int4); this model has {', '.join(untraceable)}, which calls back into Python")
-            self._compiled = None                                          # built at the first step
-        else:
-            self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS)
-        self.ahead_of_time = ahead_of_time
+            check_ahead_of_time(model)
+        self.ahead_of_time, self.cache = ahead_of_time, cache
+        self._compiled = None                                            # built by build(), or at the first step
+        self.report: compile_cache.CompileReport | None = None
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> torch.Tensor:
         """Logits (B, vocab) of the last of ids (B, T) at positions pos (T,), after the rows before pos[0]."""
@@ -147,38 +225,90 @@ class CompiledDecoder:
         self._check(tokens)
         if tokens.shape[1] != 1:
             raise ValueError(f"a decode step takes one token per sequence, got {tokens.shape[1]}")
-        pos = self._positions(1)
         if self._compiled is None:
-            self._compiled = self._compile_ahead(tokens, pos)
-        return self._compiled(tokens, pos, self.k, self.v)
+            self.build()
+        self._tokens.copy_(tokens)
+        return self._compiled(self._tokens, self._positions(1), self.k, self.v)
 
-    def _compile_ahead(self, tokens: torch.Tensor, pos: torch.Tensor):
-        """Export the step for these shapes and build it with AOTInductor; returns the loaded step."""
+    @torch.inference_mode()
+    def build(self) -> "compile_cache.CompileReport":
+        """Compile the step now (or load it from the cache); returns how, and in how many seconds."""
+        if self.report is not None:
+            return self.report
+        model = self._model()
+        # An example step at the last row: that row is masked until a token is written there, which
+        # overwrites it, so the rows of a prompt already prefilled are left as they are.
+        tokens, pos = self._tokens, model.position_ids[self.capacity - 1:self.capacity]
+        if self.ahead_of_time:
+            self._compiled, self.report = compile_cache.load_or_build(
+                step_key(model, self.batch, self.capacity), lambda path: self._compile_ahead(tokens, pos, path),
+                lambda path: torch._inductor.aoti_load_package(str(path)), use_cache=self.cache)
+            return self.report
+        folder = compile_cache.inductor_cache_dir() if self.cache else None
+        compiled = torch.compile(self._forward, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS)
+        from torch._dynamo.utils import counters
+
+        hits = counters["inductor"]["fxgraph_cache_hit"]
+        t0 = time.perf_counter()
+        with _inductor_cache(folder):
+            compiled(tokens, pos, self.k, self.v)                        # compiles, then runs once
+        self._compiled = compiled
+        # A hit in Inductor's cache skips code generation and the C++ compiler; tracing the model still runs.
+        how = "loaded" if counters["inductor"]["fxgraph_cache_hit"] > hits else "compiled"
+        self.report = compile_cache.CompileReport(how, time.perf_counter() - t0, "jit", self.cache, folder)
+        return self.report
+
+    def _compile_ahead(self, tokens: torch.Tensor, pos: torch.Tensor, path: Path) -> None:
+        """Export the step for these shapes and build it with AOTInductor into the package ``path``."""
         model = self._model()
         # export traces outside inference mode (its tensors would become constants it cannot name), with
         # ordinary copies of the example inputs
         with torch.inference_mode(False), torch.no_grad():
             program = torch.export.export(_Step(self, model), (tokens.clone(), pos.clone(), self.k, self.v),
                                           strict=False)
-        # the package is read once, at loading: its folder can go with this decoder
-        self._package_dir = tempfile.TemporaryDirectory(prefix="toyllm-aot-")
-        path = torch._inductor.aoti_compile_and_package(
-            program, package_path=str(Path(self._package_dir.name) / "step.pt2"),
-            inductor_configs={"freezing": True})
-        return torch._inductor.aoti_load_package(path)
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path),
+                                                 inductor_configs={"freezing": True})
 
 
-# One compiled step per (model, batch, capacity), kept as long as the model lives: compiling takes tens of
+class _inductor_cache:
+    """Point Inductor's own cache (``TORCHINDUCTOR_CACHE_DIR``, read at each use) at ``folder`` for a while;
+    None turns its caches off meanwhile (``--no-cache``: compile afresh, keep nothing)."""
+
+    def __init__(self, folder: Path | None):
+        self.folder, self.before, self.off = folder, None, None
+
+    def __enter__(self):
+        if self.folder is None:
+            import torch._inductor.config
+
+            self.off = torch._inductor.config.patch(force_disable_caches=True)
+            self.off.__enter__()
+            return
+        self.before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.folder)
+
+    def __exit__(self, *exc):
+        if self.off is not None:
+            self.off.__exit__(*exc)
+        elif self.before is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = self.before
+
+
+# One compiled step per (model, batch, bucket), kept as long as the model lives: compiling takes tens of
 # seconds, and a second generate() call of the same model should not pay it again.
 _DECODERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def compiled_decoder(model, tokens: int, batch: int = 1, ahead_of_time: bool = False) -> CompiledDecoder:
-    """The model's compiled decoder for ``batch`` sequences of up to ``tokens`` tokens, reset, made once."""
+def compiled_decoder(model, tokens: int, batch: int = 1, ahead_of_time: bool = False,
+                     cache: bool = True) -> CompiledDecoder:
+    """The model's compiled decoder for ``batch`` sequences of up to ``tokens`` tokens, reset, made once per
+    bucket (``capacity_bucket``). ``cache``: see ``CompiledDecoder``; it matters only when the step is built."""
     decoders = _DECODERS.setdefault(model, {})
-    key = (batch, tokens, ahead_of_time)
+    key = (batch, capacity_bucket(tokens, model.config.max_context), ahead_of_time)
     if key not in decoders:
-        decoders[key] = CompiledDecoder(model, tokens, batch, ahead_of_time)
+        decoders[key] = CompiledDecoder(model, key[1], batch, ahead_of_time, cache)
     decoder = decoders[key]
     decoder.reset()
     return decoder

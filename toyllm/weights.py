@@ -177,6 +177,8 @@ def load_model(name: str = "tiny", attention="dense", seed: int = 0,
     if name == "smollm2-135m":
         cfg, state, _ = _smollm2()
         model = model_from_state_dict(cfg, state, attention)
+        # where the weights came from: a compiled step kept on disk is keyed by this file's sha256
+        model.gguf_path = str(find_smollm2_gguf().resolve())
     else:
         model = build_model(name, seed=seed, attention=attention)
     return convert_linears(model, weights), tokenizer
