@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     seconds = read_report(args.report)
     collector = _Collector()
-    pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "tests"], plugins=[collector])
+    pytest.main(["--collect-only", "-p", "no:terminal", "-p", "no:cacheprovider", "tests"], plugins=[collector])
     by_cause: dict[str, list[float]] = defaultdict(list)
     by_file: dict[str, list[float]] = defaultdict(list)
     for nodeid, took in seconds.items():
