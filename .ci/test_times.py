@@ -15,6 +15,8 @@ process), and everything else.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import sys
 import xml.etree.ElementTree as ET
 from collections import defaultdict
@@ -73,7 +75,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     seconds = read_report(args.report)
     collector = _Collector()
-    pytest.main(["--collect-only", "-p", "no:terminal", "-p", "no:cacheprovider", "tests"], plugins=[collector])
+    listing = io.StringIO()
+    with contextlib.redirect_stdout(listing):           # the collection's own listing is not part of the tables
+        status = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "tests"], plugins=[collector])
+    if status != 0:
+        print(listing.getvalue()[-3000:], file=sys.stderr)
+        print(f"test_times: collecting the tests again failed (pytest exit {status}): causes unknown",
+              file=sys.stderr)
     by_cause: dict[str, list[float]] = defaultdict(list)
     by_file: dict[str, list[float]] = defaultdict(list)
     for nodeid, took in seconds.items():

@@ -43,10 +43,12 @@ class FakeCompiler:
         return data
 
 
-def test_buckets_are_powers_of_two_from_256_up_to_the_context():
-    assert [capacity_bucket(n, 8192) for n in (1, 69, 256, 257, 512, 513, 5000, 8192)] == \
-        [256, 256, 256, 512, 512, 1024, 8192, 8192]
-    assert capacity_bucket(700, 1000) == 1000                 # a context that is no power of two caps the last
+def test_buckets_are_powers_of_two_and_one_and_a_half_times_them_from_64_up_to_the_context():
+    assert [capacity_bucket(n, 8192) for n in (1, 64, 65, 69, 97, 129, 256, 257, 512, 513, 5000, 6145, 8192)] == \
+        [64, 64, 96, 96, 128, 192, 256, 384, 512, 768, 6144, 8192, 8192]
+    for n in range(65, 8193):                                  # never more than 1.5 times the rows asked for
+        assert n <= capacity_bucket(n, 8192) <= 1.5 * n
+    assert capacity_bucket(900, 1000) == 1000                 # a context that is no bucket caps the last
     assert capacity_bucket(100, 128) == 128
     with pytest.raises(ValueError, match="holds 1 to max_context=1024 tokens, asked for 1025"):
         capacity_bucket(1025, 1024)
@@ -55,8 +57,8 @@ def test_buckets_are_powers_of_two_from_256_up_to_the_context():
 def test_a_new_length_in_the_same_bucket_reuses_the_step():
     model, _ = load_model("tiny")
     first = compiled_decoder(model, 30)
-    assert first.capacity == 256 and compiled_decoder(model, 256) is first
-    assert compiled_decoder(model, 257) is not first and compiled_decoder(model, 257).capacity == 512
+    assert first.capacity == 64 and compiled_decoder(model, 64) is first
+    assert compiled_decoder(model, 65) is not first and compiled_decoder(model, 65).capacity == 96
     assert compiled_decoder(model, 30, batch=2) is not first
 
 

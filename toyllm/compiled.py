@@ -33,9 +33,14 @@ be ATen operators (float32, int8, int4): AOTInductor cannot call back into
 Python, which FBGEMM's and oneDNN's packed formats (fp16, bf16) need.
 
 What triggers a compile. The buffers hold a bucket of tokens, not the
-request's exact length: the prompt plus the new tokens rounded up to a power
-of two from 256 (``capacity_bucket``: 256, 512, 1024, ... up to the model's
-max_context). So a new prompt length or token count compiles nothing while
+request's exact length: the prompt plus the new tokens rounded up to the
+next of 64, 96, 128, 192, 256, 384, ... (``capacity_bucket``: each a power of
+two or one and a half times one, up to the model's max_context), so a step
+holds at most 1.5 times the rows it needs beyond the smallest bucket. Each
+extra row costs time at every step, because the attention reads the whole
+masked buffer: on a quiet 2-core Intel Xeon, SmolLM2 int4's step took 1.67x
+as long at capacity 256 as at 69 (docs/benchmarks.md), which is why the
+buckets are this fine. So a new prompt length or token count compiles nothing while
 it stays in its bucket; a compile happens for a new (weight format, batch
 size, bucket), once per process for ``compile=True`` and once per machine
 for ``compile="ahead"``: its package is kept in the cache folder
@@ -73,17 +78,20 @@ COMPILE_MODES = (True, "ahead")   # generate(compile=...): just in time (torch.c
 # Part of every cache key: change it whenever _forward or the options above change what is compiled, so that
 # packages kept from an older toyllm are not loaded.
 COMPILED_STEP_VERSION = 1
-SMALLEST_BUCKET = 256             # tokens: the smallest capacity a compiled step is built for
+SMALLEST_BUCKET = 64              # tokens: the smallest capacity a compiled step is built for
 
 
 def capacity_bucket(tokens: int, max_context: int) -> int:
-    """The capacity (tokens) a compiled step for ``tokens`` tokens is built for: the smallest power of two
-    from ``SMALLEST_BUCKET`` that holds them, at most ``max_context``."""
+    """The capacity (tokens) a compiled step for ``tokens`` tokens is built for: the smallest of 64, 96, 128,
+    192, 256, 384, ... (from ``SMALLEST_BUCKET``, each a power of two or 1.5 times one) that holds them, at
+    most ``max_context``. Two buckets per doubling: one more compile each, kept on disk, against at most
+    half as many rows again at every step."""
     if not 1 <= tokens <= max_context:
         raise ValueError(f"a compiled step holds 1 to max_context={max_context} tokens, asked for {tokens}")
     bucket = SMALLEST_BUCKET
     while bucket < tokens:
-        bucket *= 2
+        power_of_two = bucket & (bucket - 1) == 0
+        bucket = bucket * 3 // 2 if power_of_two else bucket * 4 // 3
     return min(bucket, max_context)
 
 

@@ -227,8 +227,8 @@ def generate(model, prompt_ids: list[int] | list[list[int]], max_new_tokens: int
     compile: True runs the decode steps as one compiled function with fixed
     shapes (``toyllm.compiled``): the same greedy tokens, less time per
     token; the first call for a model compiles (tens of seconds), once per
-    batch size and capacity bucket (prompt + new tokens rounded up to a power
-    of two from 256). "ahead" builds that function ahead of time instead
+    batch size and capacity bucket (prompt + new tokens rounded up to the next
+    of 64, 96, 128, 192, 256, ...). "ahead" builds that function ahead of time instead
     (``torch.export`` and AOTInductor; weight formats fp32, int8 and int4)
     and keeps it in the cache folder, where the next process loads it
     (``toyllm.compile_cache``). Either needs the
