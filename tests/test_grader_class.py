@@ -451,7 +451,10 @@ def _grade_class(folder: Path, book: Path, *more: str) -> subprocess.Popen:
     env.pop("TOYLLM_IMPL", None)
     return subprocess.Popen([sys.executable, "-m", "toyllm", "grade", "--class", str(folder), "--gradebook", str(book),
                              "--jobs", "2", "--timeout", "30", *more], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            # Ctrl-C as in a terminal: a test run started in the background (CI's, with &)
+                            # inherits SIGINT ignored, and Python then keeps it ignored
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _rows(book: Path) -> dict[str, dict]:
