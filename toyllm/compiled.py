@@ -51,16 +51,16 @@ version; the CPU capability PyTorch found; ``COMPILED_STEP_VERSION``), and a
 later process loads it in seconds. Just-in-time steps get Inductor's own
 cache in the same folder, which saves the C++ compiler's work on a second
 run but still traces the model (docs/benchmarks.md gives the seconds).
-The price of the bucket: every row past the last token still costs each
-step a little (docs/benchmarks.md, "capacity buckets", measures it).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
 import platform
 import time
+import unittest.mock
 import weakref
 from pathlib import Path
 
@@ -278,30 +278,18 @@ class CompiledDecoder:
                                                  inductor_configs={"freezing": True})
 
 
-class _inductor_cache:
+@contextlib.contextmanager
+def _inductor_cache(folder: Path | None):
     """Point Inductor's own cache (``TORCHINDUCTOR_CACHE_DIR``, read at each use) at ``folder`` for a while;
     None turns its caches off meanwhile (``--no-cache``: compile afresh, keep nothing)."""
+    if folder is None:
+        import torch._inductor.config
 
-    def __init__(self, folder: Path | None):
-        self.folder, self.before, self.off = folder, None, None
-
-    def __enter__(self):
-        if self.folder is None:
-            import torch._inductor.config
-
-            self.off = torch._inductor.config.patch(force_disable_caches=True)
-            self.off.__enter__()
-            return
-        self.before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.folder)
-
-    def __exit__(self, *exc):
-        if self.off is not None:
-            self.off.__exit__(*exc)
-        elif self.before is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = self.before
+        with torch._inductor.config.patch(force_disable_caches=True):
+            yield
+        return
+    with unittest.mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": str(folder)}):
+        yield
 
 
 # One compiled step per (model, batch, bucket), kept as long as the model lives: compiling takes tens of
