@@ -32,6 +32,11 @@ def test_generate_with_headroom_gives_the_same_tokens(capsys):
     assert roomy["output_ids"] == plain["output_ids"] and (plain["headroom"], roomy["headroom"]) == (0, 4)
 
 
+def test_generate_without_a_prompt_continues_the_benchmarks_one(capsys):
+    out = run_json(capsys, ["generate", "--model", "tiny", "--max-new-tokens", "3", "--json"])
+    assert out["prompt_ids"] == list(b"Once upon a time") and len(out["output_ids"]) == 3
+
+
 @pytest.mark.needs("1.2")
 def test_generate_sampling_is_seeded(capsys):
     argv = ["generate", "--model", "tiny", "--prompt", "abc", "--max-new-tokens", "20", "--json",

@@ -187,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text with a model")
     g.add_argument("--model", default="smollm2-135m", choices=sorted(PRESETS), help="model preset")
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", default="Once upon a time",
+                   help="the text to continue (default: %(default)r, the benchmarks' prompt)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--method", choices=list(GENERATION_METHODS), default="cached")
