@@ -27,7 +27,7 @@ CHECK_PY = @$(PY) -c 'import sys; v = sys.version_info[:3]; sys.exit(0 if (3, 11
 	  "toyllm needs Python 3.11.5 to 3.13.x (3.11 from 3.11.5 on, 3.12 or 3.13: requirements.lock is resolved for them); %s is Python %d.%d.%d. Install one (e.g. with pyenv or from python.org) and run make PY=/path/to/python3.13 ..." % (sys.executable, *v))'
 CHROMIUM_HINT := the browser test needs Debian's Chromium and its driver: apt-get install chromium chromium-driver
 
-.PHONY: setup demo check test test-browser gpu-check lab bench exercises student autograder lock clean
+.PHONY: setup demo check test test-browser coverage gpu-check lab bench exercises student autograder lock clean
 
 setup: $(STAMP)
 
@@ -57,6 +57,16 @@ check: setup
 test: setup
 	@test -x /usr/bin/chromium && test -x /usr/bin/chromedriver || echo "make test: skipping the browser test; $(CHROMIUM_HINT)"
 	TOYLLM_IMPL=solutions TOYLLM_FAST=1 $(PYTHON) -m pytest tests --durations=30 --junitxml=build/tests.xml
+
+# Line coverage of toyllm/ by the whole suite but the notebooks, measured in the test process only: the
+# processes it starts (sandboxes, engine ranks, notebook kernels) are not counted. Prints the total and writes
+# build/coverage.txt (per file).
+coverage: setup
+	mkdir -p build
+	COVERAGE_FILE=build/.coverage TOYLLM_IMPL=solutions TOYLLM_FAST=1 $(PYTHON) -m coverage run --source=toyllm \
+	  -m pytest tests -q -m "not browser and not notebook"; \
+	  status=$$?; COVERAGE_FILE=build/.coverage $(PYTHON) -m coverage report > build/coverage.txt; \
+	  tail -1 build/coverage.txt; exit $$status
 
 # Only the browser test; screenshots of each lesson's first widget land in build/screenshots/.
 test-browser: setup

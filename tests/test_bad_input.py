@@ -393,9 +393,10 @@ def test_a_bug_in_the_work_keeps_its_traceback(monkeypatch):
 
 
 def _workers_joined(pid: int) -> list[int]:
-    """The pids of ``pid``'s children once two of them hold a TCP connection (they joined the group), else []."""
+    """The pids of ``pid``'s descendants once two of them hold a TCP connection (they joined the group), else []
+    (the workers are the fork server's children)."""
     try:
-        children = psutil.Process(pid).children()
+        children = psutil.Process(pid).children(recursive=True)
         joined = [c.pid for c in children if any(k.status == psutil.CONN_ESTABLISHED for k in c.net_connections())]
     except psutil.Error:
         return []

@@ -29,14 +29,21 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 HAS_GPU = torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
+def _started_by_multiprocessing(process: psutil.Process, how: str) -> bool:
+    return any(how in part for part in process.cmdline())
+
+
 def spawned_children() -> list[psutil.Process]:
-    """Our child processes started by multiprocessing's spawn (the resource tracker is not one)."""
+    """Our worker processes: spawned ones, and those the fork server forked (neither the server itself, which
+    lives as long as this process, nor the resource tracker is a worker)."""
     found = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if any("spawn_main" in part for part in child.cmdline()):
+            forked = _started_by_multiprocessing(child, "forkserver") and \
+                _started_by_multiprocessing(child.parent(), "forkserver")
+            if forked or _started_by_multiprocessing(child, "spawn_main"):
                 found.append(child)
-        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, AttributeError):   # gone, or its parent gone
             pass
     return found
 

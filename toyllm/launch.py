@@ -11,24 +11,31 @@ Three ways in:
   every rank and returns the p return values (index = rank).
 - ``WorkerPool(p)`` keeps p processes and their process group alive across
   many calls of ``pool.run(fn)``, so benchmarks and tests pay the start-up
-  (about a second per process: each one imports torch) only once.
+  (joining the process group; on macOS and Windows also importing torch,
+  about a second per process) only once.
 - ``init_from_env()`` is for scripts started by ``torchrun``, which does the
   process management itself (many GPUs, many nodes).
 
 How the launcher works, and why:
 
-- Processes are started with the *spawn* method: a fresh interpreter that
-  imports what it needs. Fork would copy the parent's threads and locks
-  (torch has both) into a child, where they can deadlock. Spawn has one
-  consequence: the child finds ``fn`` by importing its module and looking up
-  its name, so ``fn`` must live in an importable ``.py`` module. A lambda, a
-  nested function, or a function typed into a notebook cell or a script's
-  ``__main__`` cannot be found that way; we reject those with a ValueError
-  before starting anything. This is also what makes the launcher work from a
-  Jupyter kernel: put the worker functions in a module next to the notebook,
-  import them, and pass them in. A *script* that starts workers must do so
-  under ``if __name__ == "__main__":``, because each spawned child imports the
-  script's main module once more before running anything.
+- Workers never start as a plain fork of the caller: fork would copy the
+  caller's threads and locks (torch has both) into a child, where they can
+  deadlock. On Linux they are forked from a *fork server*: a fresh,
+  single-threaded interpreter that has imported torch and nothing else,
+  started once per calling process, so a worker starts in milliseconds
+  instead of a second and a half of importing torch. It takes the caller's
+  environment, working folder and import path as they were when the pool
+  started. On macOS and Windows they are *spawned*: each one a fresh
+  interpreter that imports what it needs. Either way the child finds
+  ``fn`` by importing its module and looking up its name, so ``fn`` must live
+  in an importable ``.py`` module. A lambda, a nested function, or a
+  function typed into a notebook cell or a script's ``__main__`` cannot be
+  found that way; we reject those with a ValueError before starting
+  anything. This is also what makes the launcher work from a Jupyter
+  kernel: put the worker functions in a module next to the notebook, import
+  them, and pass them in. A *script* that starts workers must do so under
+  ``if __name__ == "__main__":``, because on macOS and Windows each spawned
+  child imports the script's main module once more before running anything.
 - Rendezvous: the parent creates the ``TCPStore`` (a tiny key-value server
   all ranks use to find each other) on 127.0.0.1, port 0, so the operating
   system picks a free port and no other program can grab it between choosing
@@ -61,6 +68,7 @@ import os
 import pickle
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -185,7 +193,7 @@ def _check_fn(fn: Callable) -> None:
     target = fn.func if isinstance(fn, functools.partial) else fn
     module = getattr(target, "__module__", None)
     qualname = getattr(target, "__qualname__", None) or getattr(type(target), "__qualname__", "")
-    why = ("worker processes are started with 'spawn' and find fn by importing its module and "
+    why = ("worker processes are fresh interpreters that find fn by importing its module and "
            "looking up its name, so fn must be a top-level function of an importable .py module "
            "(in a notebook: put it in a module next to the notebook and import it)")
     if module in (None, "__main__", "__mp_main__"):
@@ -264,23 +272,44 @@ def _send(conn, msg: tuple) -> None:
         os._exit(1)
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
-    """Background thread: if the parent dies (even by SIGKILL), this worker exits too."""
+def _exit_when_orphaned(alive) -> None:
+    """Background thread: if the pool's owner dies (even by SIGKILL), this worker exits too.
+
+    ``alive`` is the reading end of a pipe whose only writer the owner holds
+    and never writes to: when the owner is gone, the read ends at EOF. (The
+    parent process is no sign: a fork server outlives the owner while its
+    workers live.)
+    """
     def watch():
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(1)
-            time.sleep(1.0)
+        try:
+            alive.recv_bytes()
+        except (EOFError, OSError):
+            pass
+        os._exit(1)
     threading.Thread(target=watch, daemon=True, name="orphan-watch").start()
 
 
+def _take_parents_state(state: dict) -> None:
+    """Run with the owner's environment, working folder and import path as they were when the pool started.
+
+    A worker forked by the fork server starts with the server's, fixed when
+    the server started (``_start_method``); a spawned one inherits them.
+    """
+    os.environ.clear()
+    os.environ.update(state["env"])
+    os.chdir(state["cwd"])
+    sys.path[:] = state["sys_path"]
+
+
 def _worker_main(rank: int, world_size: int, backend: str, port: int, pg_timeout_s: float,
-                 threads_per_rank: int, parent_pid: int, conn) -> None:
+                 threads_per_rank: int, parent_state: dict, alive, conn) -> None:
     """Join the process group, then run tasks from ``conn`` until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's business; it kills us
     if hasattr(os, "setpgid"):
         os.setpgid(0, 0)                           # our own process group: shutdown reaches our children too
-    _exit_when_orphaned(parent_pid)
+    _exit_when_orphaned(alive)
+    if parent_state is not None:
+        _take_parents_state(parent_state)
     torch.set_num_threads(threads_per_rank)        # p ranks share the cores: no oversubscription
     try:
         try:
@@ -319,12 +348,29 @@ def _worker_main(rank: int, world_size: int, backend: str, port: int, pg_timeout
 # ----------------------------------------------------------------------------
 # the parent side
 
+def _start_method():
+    """The multiprocessing context workers start from: on Linux, a fork server that has imported torch.
+
+    Each spawned worker imports torch afresh (about 1.5 s of CPU); the fork
+    server imports it once per owning process and forks every later worker
+    from that clean, single-threaded copy. Elsewhere, spawn: Windows has no
+    fork, and on macOS a process forked after system frameworks are loaded
+    (torch loads Accelerate) may crash, which is why Python spawns there.
+    """
+    if supervise.SYSTEM != "linux":
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed"])
+    return context
+
+
 class _Workers:
     """The processes, pipes and store of one pool; kept apart from the pool so a finalizer can own it."""
 
     def __init__(self):
         self.procs: list = []
         self.conns: list = []
+        self.alive = None        # the writing end of the workers' orphan watch (``_exit_when_orphaned``)
         self.store = None
         self.done = False
 
@@ -352,7 +398,7 @@ class _Workers:
             _signal_groups(self.procs, KILL)               # workers ignoring SIGTERM, and their children
             for p in self.procs:
                 p.join(_KILL_GRACE_S)
-            for conn in self.conns:
+            for conn in [*self.conns, *([self.alive] if self.alive else [])]:
                 conn.close()
             self.store = None   # closes the rendezvous server
             self.done = True
@@ -404,18 +450,23 @@ class WorkerPool:
                                                 timeout=timedelta(seconds=self.timeout_s))
             port = self._workers.store.port
             child_env = {**_loopback_env(), "OMP_NUM_THREADS": str(threads_per_rank), **env}
-            spawn = mp.get_context("spawn")
+            start = _start_method()
             with _patched_environ(child_env):
+                # A spawned child inherits these as they are now; a forked one has the fork server's.
+                state = None if start.get_start_method() == "spawn" else \
+                    {"env": dict(os.environ), "cwd": os.getcwd(), "sys_path": list(sys.path)}
+                alive, self._workers.alive = start.Pipe(duplex=False)   # we keep the only writer
                 for rank in range(world_size):
-                    parent_conn, child_conn = spawn.Pipe()
-                    p = spawn.Process(
+                    parent_conn, child_conn = start.Pipe()
+                    p = start.Process(
                         target=_worker_main, name=f"toyllm-rank{rank}", daemon=True,
                         args=(rank, world_size, self.backend, port, self.timeout_s, threads_per_rank,
-                              os.getpid(), child_conn))
+                              state, alive, child_conn))
                     p.start()
                     child_conn.close()   # the child has its own copy; ours would hide EOF
                     self._workers.procs.append(p)
                     self._workers.conns.append(parent_conn)
+            alive.close()                # the workers hold the reading ends; EOF there means we are gone
             self.pids = self._collect(t0 + self.timeout_s, self.timeout_s,
                                       f"starting {world_size} worker process(es)", expect="ready")
         except BaseException:
