@@ -18,11 +18,12 @@ interpreter, in ``notebooks/``, with TOYLLM_FAST=1 (smaller experiments, no
 skipped cells) and TOYLLM_IMPL=solutions (the model answers, so the exercise
 cells pass), no cell may raise, and every verdict a cell prints follows
 from the runs it prints (``tests/verdict_text.py``); the lessons that time
-things in their own cells run beside a process spinning on every core. When the same pytest run also runs the
-browser test (``tests/browser``, Chromium installed), that test already
-runs every notebook top to bottom, in JupyterLab, with the same settings and
-the same checks and more; running each one a second time here would only
-double the suite's longest part, so this execution is then left to it.
+things in their own cells run beside processes spinning on every core but
+one (on 2 cores, one). When the same pytest run also runs the browser test
+(``tests/browser``, Chromium installed), that test already runs every
+notebook top to bottom, in JupyterLab, with the same settings and the same
+checks and more; running each one a second time here would only double the
+suite's longest part, so this execution is then left to it.
 A lesson that builds on an exercise still unwritten in the implementation the
 run uses (the stubs of a student edition) is skipped before its kernel starts,
 naming the exercises and the files to edit: it could only stop at the first

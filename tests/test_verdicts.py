@@ -129,7 +129,7 @@ def test_the_checker_catches_a_verdict_the_ranges_do_not_support():
 
 @pytest.fixture
 def cpu_hog():
-    """A process spinning on every usable core for the test's duration."""
+    """Processes spinning on every usable core but one (at least one) for the test's duration."""
     from verdict_text import cpu_hog as hog
 
     with hog() as n:

@@ -1,11 +1,14 @@
 """Loading models: random presets, and SmolLM2-135M-Instruct from its GGUF file."""
 import importlib.util
+import shutil
 import sys
 
 import pytest
 import torch
 
+from toyllm import weights
 from toyllm.cache import DynamicKVCache
+from toyllm.compile_cache import CACHE_ENV
 from toyllm.model import PRESETS, Transformer
 from toyllm.tokenizer import ByteTokenizer, GGUFTokenizer
 from toyllm.weights import find_smollm2_gguf, load_model, read_gguf
@@ -107,3 +110,74 @@ def test_greedy_answer_names_paris(smol):
     assert nxt == tok.eos_id, f"no <|im_end|> within 40 tokens: {answer!r}"
     assert torch.allclose(full[0, -1], logits[0, -1], atol=1e-3, rtol=1e-3)
     assert full[0, len(prompt) - 1:-1].argmax(-1).tolist() == out
+
+
+# --------------------------------------------------------------------------- the parsed file, kept on disk
+
+@pytest.fixture
+def kept_cache(tmp_path, monkeypatch):
+    """A cache folder of the test's own, and the per-process memo of parsed files emptied before and after."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    weights._load_gguf_cached.cache_clear()
+    yield tmp_path / "cache" / "models"
+    weights._load_gguf_cached.cache_clear()
+    shutil.rmtree(tmp_path / "cache", ignore_errors=True)       # 540 MB: not left for pytest's kept folders
+
+
+def _same_parse(a, b) -> None:
+    (cfg_a, state_a, tok_a), (cfg_b, state_b, tok_b) = a, b
+    assert cfg_a == cfg_b and state_a.keys() == state_b.keys()
+    assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)            # bit for bit
+    text = "What is the capital of France? 12345 <|im_end|> naïve"
+    assert tok_a.encode_chat(text) == tok_b.encode_chat(text) and tok_a.encode(text) == tok_b.encode(text)
+    assert (tok_a.bos_id, tok_a.eos_id, tok_a.control_ids) == (tok_b.bos_id, tok_b.eos_id, tok_b.control_ids)
+
+
+@pytest.mark.slow                      # parses the GGUF file twice (seconds each) and writes 540 MB twice
+def test_a_parsed_model_file_is_kept_and_a_damaged_or_stale_copy_is_replaced(kept_cache, monkeypatch, capsys):
+    path = str(find_smollm2_gguf().resolve())
+    parsed = weights._parse_gguf(path)
+    reference = (parsed[0], parsed[1], GGUFTokenizer(**parsed[2]))
+    first = weights._load_gguf_cached(path)                        # parsed, and kept
+    [entry] = kept_cache.iterdir()
+    assert sorted(p.name for p in entry.iterdir()) == sorted([*weights.KEPT_FILES, "entry.json"])
+    _same_parse(first, reference)
+
+    parses = []
+    monkeypatch.setattr(weights, "_parse_gguf", lambda p: parses.append(p) or parsed)
+    weights._load_gguf_cached.cache_clear()                        # as a new process would
+    _same_parse(weights._load_gguf_cached(path), reference)
+    assert parses == [] and capsys.readouterr().err == ""         # read from the kept copy
+
+    with open(entry / weights.KEPT_FILES[0], "r+b") as f:          # one byte changed: same size, other sha256
+        f.seek(1 << 20)
+        byte = f.read(1)
+        f.seek(1 << 20)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    weights._load_gguf_cached.cache_clear()
+    _same_parse(weights._load_gguf_cached(path), reference)
+    assert parses == [path]
+    assert f"kept copy {entry.name} is unusable: its {weights.KEPT_FILES[0]} does not match" in capsys.readouterr().err
+    assert [p.name for p in kept_cache.iterdir()] == [entry.name]   # written again, in place
+    weights._load_gguf_cached.cache_clear()
+    weights._load_gguf_cached(path)
+    assert parses == [path]                                        # the new copy is good
+
+    key = weights._kept_key(path)                                  # the code changed: a new entry, the old one goes
+    monkeypatch.setattr(weights, "_kept_key", lambda p: {**key, "code_sha256": "0" * 64})
+    weights._load_gguf_cached.cache_clear()
+    weights._load_gguf_cached(path)
+    [newer] = kept_cache.iterdir()
+    assert newer.name != entry.name and parses == [path, path]
+
+
+@pytest.mark.slow
+def test_a_cache_folder_that_cannot_be_written_costs_the_parsing_only(tmp_path, monkeypatch):
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "a_file" / "cache"))     # no folder can be made there
+    weights._load_gguf_cached.cache_clear()
+    try:
+        model, tok = load_model("smollm2-135m")
+    finally:
+        weights._load_gguf_cached.cache_clear()
+    assert tok.decode(tok.encode("Paris")) == "Paris" and model.config == PRESETS["smollm2-135m"]

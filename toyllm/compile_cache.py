@@ -13,7 +13,10 @@ It holds:
 - ``digests.json``: the sha256 of each model file, stored with its path,
   size and modification time, so an unchanged file is not read again;
 - ``inductor/``: Inductor's own cache (``TORCHINDUCTOR_CACHE_DIR``) for the
-  steps compiled just in time (``compile=True``).
+  steps compiled just in time (``compile=True``);
+- ``models/<name>/``: a model file as parsed by ``toyllm.weights`` (config,
+  float32 weights, tokenizer), ``model.pt`` and ``entry.json``, so that the
+  next process does not parse the GGUF file again.
 
 An entry is checked before it is used: its key must be the one asked for
 and its package must have the recorded size and sha256. One that fails (a
@@ -104,10 +107,26 @@ def file_digest(path: str | Path) -> str:
     return digest
 
 
-def entry_name(key: dict) -> str:
+def entry_name(key: dict, prefix: str = "step-") -> str:
     """The folder name of the entry for ``key``: a digest of the key, the same on every platform."""
     text = json.dumps(key, sort_keys=True)
-    return "step-" + hashlib.sha256(text.encode()).hexdigest()[:24]
+    return prefix + hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def read_metadata(folder: Path) -> dict:
+    """An entry's ``entry.json`` (OSError or ValueError if missing or unreadable)."""
+    meta = json.loads((folder / METADATA).read_text())
+    if not isinstance(meta, dict):
+        raise ValueError(f"{folder / METADATA} holds no JSON object")
+    return meta
+
+
+def write_metadata(folder: Path, meta: dict) -> None:
+    _write_json_atomic(folder / METADATA, meta)
+
+
+def remove_folder(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @dataclass
@@ -237,7 +256,7 @@ def clear_cache() -> int:
     """Remove everything toyllm keeps in the cache folder; returns the bytes freed."""
     root = cache_root()
     freed = cache_bytes()
-    for name in ("steps", "inductor"):
+    for name in ("steps", "inductor", "models"):
         shutil.rmtree(root / name, ignore_errors=True)
     (root / "digests.json").unlink(missing_ok=True)
     return freed - cache_bytes()

@@ -132,25 +132,30 @@ class GGUFTokenizer(Tokenizer):
         self.chat_template = chat_template
         self._template = None   # compiled on first use
 
+    @staticmethod
+    def fields_from_gguf(reader) -> dict:
+        """The keyword arguments of ``GGUFTokenizer`` read from an open ``gguf.GGUFReader``'s metadata."""
+        from .gguf_file import gguf_value
+
+        model = gguf_value(reader, "tokenizer.ggml.model", "gpt2")
+        if model != "gpt2":
+            raise ValueError(f"only byte-level BPE ('gpt2') tokenizers are supported, this file has {model!r}")
+        return dict(tokens=gguf_value(reader, "tokenizer.ggml.tokens"),
+                    merges=gguf_value(reader, "tokenizer.ggml.merges"),
+                    token_types=gguf_value(reader, "tokenizer.ggml.token_type", None),
+                    bos_id=gguf_value(reader, "tokenizer.ggml.bos_token_id", None),
+                    eos_id=gguf_value(reader, "tokenizer.ggml.eos_token_id", None),
+                    add_bos=gguf_value(reader, "tokenizer.ggml.add_bos_token", False),
+                    chat_template=gguf_value(reader, "tokenizer.chat_template", None),
+                    pre=gguf_value(reader, "tokenizer.ggml.pre", "default"))
+
     @classmethod
     def from_gguf(cls, source) -> "GGUFTokenizer":
         """Build from a GGUF file path or an open ``gguf.GGUFReader``."""
         from gguf import GGUFReader
 
-        from .gguf_file import gguf_value
-
         reader = source if isinstance(source, GGUFReader) else GGUFReader(Path(source))
-        model = gguf_value(reader, "tokenizer.ggml.model", "gpt2")
-        if model != "gpt2":
-            raise ValueError(f"only byte-level BPE ('gpt2') tokenizers are supported, this file has {model!r}")
-        return cls(tokens=gguf_value(reader, "tokenizer.ggml.tokens"),
-                   merges=gguf_value(reader, "tokenizer.ggml.merges"),
-                   token_types=gguf_value(reader, "tokenizer.ggml.token_type", None),
-                   bos_id=gguf_value(reader, "tokenizer.ggml.bos_token_id", None),
-                   eos_id=gguf_value(reader, "tokenizer.ggml.eos_token_id", None),
-                   add_bos=gguf_value(reader, "tokenizer.ggml.add_bos_token", False),
-                   chat_template=gguf_value(reader, "tokenizer.chat_template", None),
-                   pre=gguf_value(reader, "tokenizer.ggml.pre", "default"))
+        return cls(**cls.fields_from_gguf(reader))
 
     @property
     def vocab_size(self) -> int:

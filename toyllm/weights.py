@@ -22,16 +22,33 @@ Two layout facts matter when moving tensors over to ``toyllm.model``:
    weights in a llama GGUF are permuted for that. ``toyllm.model.apply_rope``
    uses the same pairs, so the weights go in unchanged. (Hugging Face's
    half-split pairing would need the inverse permutation.)
+
+Reading the file takes seconds of CPU (parsing 49k tokens and 49k merges of
+metadata, then dequantizing), every time a process or notebook kernel loads
+the model. So the parsed result (config, float32 weights, tokenizer fields) is
+kept once per machine in the cache folder (``toyllm.compile_cache``), under
+``models/``, keyed by the file's sha256 and this module's source: the next
+process maps it from disk instead (about 540 MB; ``python -m toyllm cache
+clear`` removes it). An entry that fails its checks is read from the GGUF
+file again.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
+import hashlib
+import json
+import os
 import re
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from . import compile_cache
 from .model import ModelConfig, Transformer, build_model, get_config
 from .gguf_file import SMOLLM2_FILE, SMOLLM2_INSTALL, SMOLLM2_PACKAGE, find_smollm2_gguf, gguf_value, open_gguf  # noqa: F401
 from .tokenizer import ByteTokenizer, GGUFTokenizer, Tokenizer
@@ -101,11 +118,106 @@ def _state_dict(reader) -> dict[str, torch.Tensor]:
     return state
 
 
+# An entry of the cache's models/ folder: the float32 weights (torch.save, mapped from disk when loaded) and the
+# tokenizer's fields (JSON: 49k strings read in milliseconds); the config is in its entry.json.
+KEPT_FILES = ("weights.pt", "tokenizer.json")
+
+
+def _parse_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
+    """Config, float32 weights and the tokenizer's fields, read from the file (seconds of CPU)."""
+    reader = open_gguf(path)
+    return _config(reader), _state_dict(reader), GGUFTokenizer.fields_from_gguf(reader)
+
+
+def _kept_key(path: str) -> dict:
+    """What a kept model depends on: the file's bytes, the code that converts it, and torch (its file format)."""
+    here = Path(__file__).resolve().parent
+    code = hashlib.sha256()
+    for name in ("weights.py", "gguf_file.py", "tokenizer.py", "model.py"):
+        code.update((here / name).read_bytes())
+    return {"gguf_sha256": compile_cache.file_digest(path), "code_sha256": code.hexdigest(), "torch": torch.__version__}
+
+
+def _kept_problem(folder: Path, key: dict) -> str:
+    """Why the kept model in ``folder`` cannot be used for ``key`` ("" if it can)."""
+    try:
+        meta = compile_cache.read_metadata(folder)
+    except (OSError, ValueError) as e:
+        return f"its {compile_cache.METADATA} cannot be read ({type(e).__name__})"
+    if meta.get("key") != key or not isinstance(meta.get("files"), dict):
+        return "its metadata describes another file or another version of the code"
+    for name in KEPT_FILES:
+        kept, written = folder / name, meta["files"].get(name, {})
+        if not kept.is_file() or kept.stat().st_size != written.get("bytes"):
+            return f"its {name} is missing or not of the {written.get('bytes')} bytes written"
+        if compile_cache.sha256_of_file(kept) != written.get("sha256"):
+            return f"its {name} does not match its recorded sha256 (damaged)"
+    return ""
+
+
+def _keep(folder: Path, key: dict, parsed: tuple) -> None:
+    """Write ``parsed`` as the entry ``folder``: built under a temporary name, then renamed into place."""
+    cfg, state, fields = parsed
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".building-"))
+    try:
+        torch.save(state, building / KEPT_FILES[0])
+        (building / KEPT_FILES[1]).write_text(json.dumps(fields))
+        files = {name: {"bytes": (building / name).stat().st_size,
+                        "sha256": compile_cache.sha256_of_file(building / name)} for name in KEPT_FILES}
+        compile_cache.write_metadata(building, {"key": key, "config": dataclasses.asdict(cfg), "files": files})
+        try:
+            os.rename(building, folder)
+        except OSError:
+            pass                                     # another process kept the same file meanwhile
+    finally:
+        compile_cache.remove_folder(building)
+    for other in folder.parent.iterdir():            # the same file kept by an older version of the code: 540 MB
+        if other != folder and not other.name.startswith("."):
+            try:
+                stale = compile_cache.read_metadata(other).get("key", {}).get("gguf_sha256") == key["gguf_sha256"]
+            except (OSError, ValueError, AttributeError):
+                stale = False
+            if stale:
+                compile_cache.remove_folder(other)
+
+
+def _load_kept(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
+    meta = compile_cache.read_metadata(folder)
+    state = torch.load(folder / KEPT_FILES[0], mmap=True, weights_only=True)
+    return ModelConfig(**meta["config"]), state, json.loads((folder / KEPT_FILES[1]).read_text())
+
+
 @functools.lru_cache(maxsize=2)
 def _load_gguf_cached(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], GGUFTokenizer]:
-    """Parse a GGUF file once per process: reading and dequantizing takes a few seconds."""
-    reader = open_gguf(path)
-    return _config(reader), _state_dict(reader), GGUFTokenizer.from_gguf(reader)
+    """A GGUF file's config, float32 weights and tokenizer: once per process, and parsed once per machine.
+
+    The parsed result is kept in the cache folder (``models/``); later processes map it from disk. A cache
+    folder that cannot be written (a read-only one, a sandbox's) costs the parsing, nothing more.
+    """
+    key = _kept_key(path)
+    folder = compile_cache.cache_root() / "models" / compile_cache.entry_name(key, prefix="model-")
+    parsed, reason = None, ""
+    if folder.exists():
+        reason = _kept_problem(folder, key)
+        if not reason:
+            try:
+                parsed = _load_kept(folder)
+            except Exception as e:                   # a file this torch cannot read, whatever the reason
+                reason = f"it failed to load ({type(e).__name__})"
+        if reason:
+            print(f"model cache: reading {Path(path).name} again, the kept copy {folder.name} is unusable: {reason}",
+                  file=sys.stderr)
+    if parsed is None:
+        parsed = _parse_gguf(path)
+        try:
+            if reason:
+                compile_cache.remove_folder(folder)
+            _keep(folder, key, parsed)
+        except OSError:
+            pass                                     # a cache folder this process cannot write
+    cfg, state, fields = parsed
+    return cfg, state, GGUFTokenizer(**fields)
 
 
 def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -119,17 +231,27 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return cfg, {name: t.clone() for name, t in state.items()}
 
 
+@contextlib.contextmanager
+def _without_random_init():
+    """Layers built meanwhile keep their weights uninitialised (``torch.empty``), as transformers'
+    ``no_init_weights`` does: drawing 135M random numbers takes seconds, and every one is overwritten at once.
+    (Building on the meta device instead first imports torch's meta kernels: about 5 s of CPU per process.)"""
+    names = ("normal_", "uniform_", "kaiming_uniform_")
+    saved = {name: getattr(torch.nn.init, name) for name in names}
+    try:
+        for name in names:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
 def model_from_state_dict(cfg: ModelConfig, state: dict[str, torch.Tensor],
                           attention="dense") -> Transformer:
     """A Transformer holding a copy of ``state`` (so the caller's tensors are never shared)."""
-    # Build on the meta device: random initialisation of 135M parameters takes
-    # seconds and would be overwritten at once.
-    with torch.device("meta"):
+    with _without_random_init():
         model = Transformer(cfg, attention)
-    model = model.to_empty(device="cpu")
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.tok_emb.weight               # to_empty broke the tie
-    model.fill_tables()                                           # to_empty left the buffers uninitialised
     state = dict(state)
     if cfg.tie_embeddings:
         state.setdefault("lm_head.weight", state["tok_emb.weight"])

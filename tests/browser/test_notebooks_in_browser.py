@@ -15,8 +15,9 @@ Run > Run All Cells, waits for the kernel, and then reads the rendered page:
   what the widget shows (its text or its figure), i.e. the kernel answered;
 - every printed verdict ("KVR 0.41 s [0.40-0.43 s] vs TSP 0.50 s [...]: KVR is
   1.22x faster") follows from the runs it prints (``tests/verdict_text.py``);
-  the lessons that time things through their own cells run beside a process
-  spinning on every core, so that their verdicts are read under noise.
+  the lessons that time things through their own cells run beside processes
+  spinning on every core but one (on 2 cores, one), so that their verdicts are
+  read under noise.
 
 A fixture notebook with deliberately broken outputs proves the check fails
 when it should. Screenshots of each lesson's first widget, before and after
