@@ -15,7 +15,8 @@ It holds:
 - ``inductor/``: Inductor's own cache (``TORCHINDUCTOR_CACHE_DIR``) for the
   steps compiled just in time (``compile=True``);
 - ``models/<name>/``: a model file as parsed by ``toyllm.weights`` (config,
-  float32 weights, tokenizer), ``model.pt`` and ``entry.json``, so that the
+  float32 weights, tokenizer): ``weights.pt``, ``tokenizer.json`` and
+  ``entry.json`` (which holds the config), so that the
   next process does not parse the GGUF file again.
 
 An entry is checked before it is used: its key must be the one asked for
