@@ -20,6 +20,12 @@ TORCH_PAGE ?= https://download.pytorch.org/whl/cpu/torch/
 # `make lock TORCH_WHEELS=DIR` resolves Linux's torch against a local folder of PyTorch's CPU wheels instead of
 # PyTorch's CPU index (pyproject.toml, [tool.uv.index]), for a machine that cannot reach that index.
 TORCH_WHEELS ?=
+# `make test` runs its tests in this many processes side by side (pytest-xdist), a whole file per process at a
+# time, the costliest files first (tests/side_by_side.py). In one process the suite kept 1.16 of 2 cores busy on
+# average (it mostly waits for the processes, sandboxes and kernels it starts); in two, 1.7 (docs/testing.md).
+# `make test TEST_PROCESSES=0` runs it in one process, the browser test last.
+TEST_PROCESSES ?= 2
+SIDE_BY_SIDE = $(if $(filter-out 0,$(TEST_PROCESSES)),-n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder)
 
 # Stops with a clear message unless $(PY) is a Python the lock is resolved for: 3.11 from 3.11.5 on (the
 # locked soupsieve requires 3.11.5; Debian 12's own python3 is 3.11.2), 3.12 or 3.13.
@@ -51,12 +57,15 @@ check: setup
 	TOYLLM_CHECK=1 TOYLLM_IMPL=solutions TOYLLM_FAST=1 $(PYTHON) -m pytest tests -q -m "$(FAST_TIER)" --durations=5
 
 # The whole suite, notebooks included, against the model answers. The browser test (the notebooks in
-# JupyterLab in a headless Chromium) runs last, or is skipped with the install command when Chromium is missing.
+# JupyterLab in a headless Chromium) is skipped with the install command when Chromium is missing.
 # Each test's time lands in build/tests.xml: `.venv/bin/python .ci/test_times.py build/tests.xml` sums it by
 # file and by cause.
+# OpenMP threads sleep while they wait instead of spinning, so a waiting thread of one test process does not
+# burn the core the other one needs (README, "Measuring honestly").
+test: export OMP_WAIT_POLICY = PASSIVE
 test: setup
 	@test -x /usr/bin/chromium && test -x /usr/bin/chromedriver || echo "make test: skipping the browser test; $(CHROMIUM_HINT)"
-	TOYLLM_IMPL=solutions TOYLLM_FAST=1 $(PYTHON) -m pytest tests --durations=30 --junitxml=build/tests.xml
+	TOYLLM_IMPL=solutions TOYLLM_FAST=1 $(PYTHON) -m pytest tests --durations=30 $(SIDE_BY_SIDE) --junitxml=build/tests.xml
 
 # Line coverage of toyllm/ by the whole suite but the notebooks, measured in the test process only: the
 # processes it starts (sandboxes, engine ranks, notebook kernels) are not counted. Prints the total and writes

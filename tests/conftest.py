@@ -7,6 +7,10 @@ A file marked ``library`` (``pytestmark = pytest.mark.library``) tests the libra
 in this process and every process they start, reaching an exercise fails the test
 (``toyllm.course.refuse_in_library_test``). The student edition's ``make test`` leaves these files out, since
 they cannot differ there; the course's run is what proves they run no exercise.
+
+``make test`` runs the tests in two processes side by side (pytest-xdist, ``-n 2``). A test marked ``alone``
+compares what exists on the whole machine before and after it (processes, scratch folders in /tmp), so it runs
+with no other test beside it (``side_by_side``).
 """
 import atexit
 import os
@@ -15,6 +19,12 @@ import tempfile
 
 import pytest
 import torch
+
+try:                                   # the hooks that keep an ``alone`` test alone under pytest-xdist
+    from side_by_side import costliest_files_first, pytest_configure, pytest_runtest_protocol  # noqa: F401
+except ImportError:                     # this file's copy beside the grader's tests, which run one at a time
+    def costliest_files_first(config, items):
+        pass
 
 torch.set_grad_enabled(False)
 
@@ -47,13 +57,16 @@ def _no_process_in_the_fast_tier(monkeypatch):
     yield
 
 
-def pytest_collection_modifyitems(items):
-    """``library`` marks whole files: its guard is set before the file's own fixtures start any worker."""
+@pytest.hookimpl(trylast=True)                    # after tests/browser's, which puts the browser last
+def pytest_collection_modifyitems(config, items):
+    """``library`` marks whole files: its guard is set before the file's own fixtures start any worker. Under
+    pytest-xdist the costliest files go first."""
     for item in items:
         module = item.getparent(pytest.Module)
         if item.get_closest_marker("library") and not (module and module.get_closest_marker("library")):
             raise pytest.UsageError(f"{item.nodeid} is marked library on its own: mark the whole file "
                                     "(pytestmark = pytest.mark.library), or none of it")
+    costliest_files_first(config, items)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -95,3 +108,4 @@ def smollm2():
     from toyllm import load_model
 
     return load_model("smollm2-135m")
+

@@ -693,6 +693,7 @@ def _scratch_folders() -> set[str]:
 
 
 @CONTAINED
+@pytest.mark.alone                   # compares the scratch folders of the whole machine
 @pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(200)
@@ -743,6 +744,7 @@ def _serving(grader: subprocess.Popen) -> bool:
     return False
 
 
+@pytest.mark.alone                   # compares the scratch folders of the whole machine
 @pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(120)

@@ -26,6 +26,10 @@ from toyllm.grading import grade
 from toyllm.grading.sandbox.launcher import ID_RANGE, namespaces_work, unused_id, writable_folders
 from toyllm.grading.sandbox.process import sandbox_user
 
+# The whole file looks at the whole machine (user ids and processes in use, what is left in /tmp and /dev/shm),
+# and one test holds hundreds of processes: no other test runs beside it.
+pytestmark = pytest.mark.alone
+
 APART = pytest.mark.skipif(sandbox_user() is None or not namespaces_work(),
                            reason="sandboxes are kept apart (IPC, network, writable folders, a user id each) only "
                                   "when the grader runs as root on a kernel that allows namespaces")

@@ -1,0 +1,93 @@
+"""Tests side by side (pytest-xdist, ``make test``'s ``-n 2``), and the ones that must run alone.
+
+A test marked ``alone`` compares what exists on the whole machine before and after it: the processes, the
+scratch folders in /tmp, the user ids in use. Another test running beside it would show up there, so while it
+runs (its fixtures' setup and teardown included) no other test does. The worker processes share a
+readers-writer lock: two files in a folder that the process that starts them makes (``pytest_configure``).
+``tests/conftest.py`` installs the hooks; ``tests/test_side_by_side.py`` shows that an ``alone`` test meets no
+other.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import tempfile
+from collections import defaultdict
+
+import pytest
+
+LOCKS_ENV = "TOYLLM_TEST_LOCKS"      # the folder of the lock files, inherited by the workers
+# Roughly what a test costs (seconds on 2 cores), read from its markers; any other test: UNMARKED_S.
+COST_S = {"browser": 40.0, "slow": 5.0, "grader": 1.0, "engine": 0.5}
+UNMARKED_S = 0.02
+
+
+def pytest_configure(config):
+    """In the process that starts pytest-xdist's workers: the folder for their locks, removed at its end."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        folder = tempfile.mkdtemp(prefix="pytest-side-by-side-")
+        os.environ[LOCKS_ENV] = folder                     # the workers, started after this, inherit it
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+
+
+def costliest_files_first(config, items) -> None:
+    """In a worker: order the files by their cost, the costliest first, keeping each file's own order.
+
+    Each worker is handed whole files in this order (``--dist loadfile --no-loadscope-reorder``), so the
+    longest ones (the browser's lessons, the grader's) start at once instead of last, when the other process
+    would have nothing left to do beside them. Both workers collect alike, so both order alike.
+    """
+    if not hasattr(config, "workerinput"):
+        return
+    cost: dict = defaultdict(float)
+    for item in items:
+        cost[item.path] += sum(s for name, s in COST_S.items() if item.get_closest_marker(name)) or UNMARKED_S
+    items.sort(key=lambda item: -cost[item.path])                # stable: a file's tests keep their order
+
+
+@contextlib.contextmanager
+def _locked(path: str, mode: int):
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, mode)                              # waits until granted; closing the file releases it
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def room(folder: str, alone: bool):
+    """Any number of tests side by side, or one ``alone``.
+
+    A test to run alone takes the turnstile first, so that no other test starts while it waits for the running
+    ones to end; every other test passes through the turnstile before it takes its shared place.
+    """
+    import fcntl
+
+    turnstile, room_file = os.path.join(folder, "turnstile"), os.path.join(folder, "room")
+    with contextlib.ExitStack() as held:
+        with _locked(turnstile, fcntl.LOCK_EX):
+            if alone:
+                held.enter_context(_locked(room_file, fcntl.LOCK_EX))
+        if not alone:
+            held.enter_context(_locked(room_file, fcntl.LOCK_SH))
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist, in a worker: a test marked ``alone`` runs with no other beside it.
+
+    Only in the workers themselves (``workerinput``): the pytest processes the grader starts inherit the
+    environment and load the same conftest, and must not wait for a lock their own test holds.
+    """
+    folder = os.environ.get(LOCKS_ENV)
+    if folder is None or not hasattr(item.config, "workerinput") or os.name != "posix":
+        yield
+        return
+    with room(folder, alone=item.get_closest_marker("alone") is not None):
+        yield
