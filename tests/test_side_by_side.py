@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.library          # the test harness alone: no exercise runs here
+
 TESTS = Path(__file__).resolve().parent
 
 CONFTEST = f"""
