@@ -1,8 +1,14 @@
 """The grading system itself: the implementation switch, stubs, and the grader on real and fake submissions.
 
-The fake submissions live in tests/fixtures/submissions/. Each ``grade`` call
-starts one pytest process per lesson (a few seconds each, mostly importing
-torch), so the expensive reports are computed once per module.
+The fake submissions live in tests/fixtures/submissions/. Most tests grade
+through ``grade_from_template``, as ``python -m toyllm grade`` does: each
+lesson's pytest process and sandboxes are copies of one template that
+imported torch once, kept for the whole test process (one lesson's grading
+about 1 s instead of 4). ``grade`` from Python without a template, as a
+notebook's ``check()`` calls it, starts fresh Pythons (a few seconds a
+lesson, mostly importing torch); it grades the whole course once per module
+(``solutions_graded``), and the tests that compare the processes or scratch
+folders before and after a grading use it too.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import pytest
 
 from toyllm import answers
 from toyllm.grading import GradeReport, grade, load_exercise, make_stub, resolve_impl, sync
+from toyllm.grading.grader.run import close_standby
 from toyllm.grading.sandbox.launcher import namespaces_work
 from toyllm.grading.sandbox.process import sandbox_user
 from toyllm.grading.sandbox.server import NAME as SANDBOX_NAME
@@ -60,6 +67,18 @@ HIDDEN_TESTS = {
         ''',
 }
 HIDDEN_POINTS = 5
+
+
+def grade_from_template(impl, **kwargs) -> GradeReport:
+    """``grade(impl, **kwargs)`` as the command line grades (``template=True``), from one template per test process.
+
+    The template is the process the lesson's copies are forked from; it stays between calls (the test process is a
+    child subreaper, which its in-process sandboxes make it anyway). No standby waits between tests: the next test
+    finds only the template, so a plain ``grade`` call in it starts fresh Pythons as before."""
+    try:
+        return grade(impl, template=True, keep_warm=True, **kwargs)
+    finally:
+        close_standby(keep_template=True)
 
 
 def stated_points() -> dict[str, int]:
@@ -141,7 +160,7 @@ def test_untouched_exercises_score_exactly_zero(exercises_graded, solutions_grad
 @pytest.mark.timeout(300)
 def test_grading_twice_gives_identical_results(solutions_graded):
     first, _ = solutions_graded
-    again = grade("solutions", only="ex01")
+    again = grade_from_template("solutions", only="ex01")      # from the template; the first from fresh Pythons
     key = lambda r: [(t.name, t.nodeid, t.score, t.max_score, t.status, t.output) for t in r.tests]
     assert key(again) == key(GradeReport("solutions", [t for t in first.tests if t.lesson == 1 and not t.hidden]))
 
@@ -207,7 +226,7 @@ def outputs(report, exercise: str) -> list[str]:
 def test_a_crash_or_a_hang_costs_only_the_test_that_met_it(tmp_path):
     submission = make_submission(tmp_path / "sub", "crashing", "hanging")
     results = tmp_path / "results.json"
-    report = grade(submission, only=["ex02", "ex03"], per_test_timeout_s=8, results_path=results)
+    report = grade_from_template(submission, only=["ex02", "ex03"], per_test_timeout_s=8, results_path=results)
     lost = {t.name: t for t in report.tests if t.status != "passed"}
     assert set(lost) == {"Exercise 3.2: test_ex3_2_prefill_is_half_the_prompt",
                          "Exercise 2.2: test_ex2_2_llama2_13b_and_gqa", "Exercise 2.2: test_ex2_2_other_precisions_and_shapes",
@@ -227,7 +246,7 @@ def test_a_crash_or_a_hang_costs_only_the_test_that_met_it(tmp_path):
 @pytest.mark.timeout(200)
 def test_a_property_of_the_submissions_own_object_is_checked_where_it_lives(tmp_path):
     """8.2's result must be contiguous: judged in the sandbox, because the tensor the grader receives is a copy."""
-    report = grade(make_submission(tmp_path / "sub", "viewing"), only="8.2")
+    report = grade_from_template(make_submission(tmp_path / "sub", "viewing"), only="8.2")
     lost = {t.name: t.output for t in report.tests if t.status != "passed"}
     assert list(lost) == ["Exercise 8.2: test_ex8_2_rows_in_token_order"], lost
     assert "is not contiguous" in lost["Exercise 8.2: test_ex8_2_rows_in_token_order"]
@@ -238,7 +257,7 @@ def test_a_property_of_the_submissions_own_object_is_checked_where_it_lives(tmp_
 @pytest.mark.timeout(120)
 def test_a_submission_that_hangs_at_import_costs_one_timeout(tmp_path):
     submission = make_submission(tmp_path / "sub", "import_hang")
-    report = grade(submission, only="ex03", per_test_timeout_s=5)
+    report = grade_from_template(submission, only="ex03", per_test_timeout_s=5)
     assert report.score == 0 and len(report.tests) == 12
     first, *rest = report.tests
     assert first.status == "timeout" and "importing your ex03 file did not return within" in first.output, first.output
@@ -250,7 +269,7 @@ def test_a_submission_that_hangs_at_import_costs_one_timeout(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_partial_submission_gets_partial_credit():
-    report = grade(SUBMISSIONS / "partial", only="ex01,ex03")
+    report = grade_from_template(SUBMISSIONS / "partial", only="ex01,ex03")
     assert {t.name for t in report.tests if t.status != "passed" and t.lesson == 1} == {
         "Exercise 1.2: test_ex1_2_top_p_keeps_the_nucleus_of_shuffled_logits",    # top_p is ignored
         "Exercise 1.2: test_ex1_2_top_p_boundary_and_edge_values",
@@ -265,7 +284,7 @@ def test_a_partial_submission_gets_partial_credit():
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_folder_is_graded_on_the_lessons_it_holds_and_the_report_names_the_rest():
-    report = grade(SUBMISSIONS / "partial")                 # ex01 only
+    report = grade_from_template(SUBMISSIONS / "partial")                 # ex01 only
     assert set(report.by_lesson()) == {1} and report.by_lesson()[1] == (11, 15)
     shown = report.table()
     assert "not graded: ex02-ex09 (no exNN file for them in" in shown, shown
@@ -275,10 +294,10 @@ def test_a_folder_is_graded_on_the_lessons_it_holds_and_the_report_names_the_res
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_single_exercise_can_be_graded_on_its_own():
-    report = grade(SUBMISSIONS / "partial", only="1.2")
+    report = grade_from_template(SUBMISSIONS / "partial", only="1.2")
     assert {t.exercise for t in report.tests} == {"1.2"}
     assert report.by_exercise()["1.2"] == (4, 8)        # 8 tests; the four on top_p fail
-    mixed = grade(SUBMISSIONS / "partial", only=["1.1", "ex01"])   # a whole lesson wins over one of its exercises
+    mixed = grade_from_template(SUBMISSIONS / "partial", only=["1.1", "ex01"])   # a whole lesson wins over one of its exercises
     assert {t.exercise for t in mixed.tests} == {"1.1", "1.2", "1.3"}
     with pytest.raises(ValueError, match="exercises like '1.2'"):
         grade("solutions", only="1.x")
@@ -460,7 +479,7 @@ def test_a_step_that_calls_the_engines_own_scores_nothing_and_says_why(tmp_path)
 
     ''') + source[end:]
     (tmp_path / "ex04_tsp.py").write_text(cheat)
-    report = grade(tmp_path, only="4.2")
+    report = grade_from_template(tmp_path, only="4.2")
     assert report.by_exercise()["4.2"] == (0, 4)
     assert all("calls toyllm's own tsp_layer" in t.output for t in report.tests), [t.output for t in report.tests]
     assert not list(tmp_path.rglob("__pycache__")), "the grader wrote bytecode beside the submission"
@@ -476,7 +495,7 @@ def test_a_wrong_step_fails_with_a_message_naming_the_run(tmp_path):
                            "k_pos = torch.arange(k_all.shape[-2], device=x.device) + pos.start")
     assert wrong != source
     (tmp_path / "ex04_tsp.py").write_text(wrong)
-    report = grade(tmp_path, only="4.2")
+    report = grade_from_template(tmp_path, only="4.2")
     failed = [t for t in report.tests if t.status != "passed"]
     assert failed and all("tsp_layer in the engine, p=" in t.output and "differ from one process" in t.output
                           for t in failed), [t.output[:300] for t in failed]
@@ -560,7 +579,7 @@ def test_a_deadlocking_step_loses_its_points_and_leaves_no_process(tmp_path):
 @pytest.mark.timeout(300)
 def test_calling_toyllms_own_answer_scores_zero_for_that_exercise_and_says_why(tmp_path):
     submission = make_submission(tmp_path / "sub", "cheating")
-    report = grade(submission, only=["ex02", "ex03"])
+    report = grade_from_template(submission, only=["ex02", "ex03"])
     scores = report.by_exercise()
     for ex in ("2.1", "2.4", "3.2", "3.6"):
         assert scores[ex][0] == 0, (ex, outputs(report, ex))
@@ -648,7 +667,7 @@ def test_hidden_tests_never_show_their_names_messages_or_prints(tmp_path):
     hidden.chmod(0o700)
     results = tmp_path / "results.json"
     submission = make_submission(tmp_path / "sub", "peeking")
-    report = grade(submission, only="3.3", extra_tests=hidden, results_path=results)
+    report = grade_from_template(submission, only="3.3", extra_tests=hidden, results_path=results)
     assert report.by_exercise()["3.3"][0] == 0
     visible = "\n".join(t.output for t in report.tests if not t.hidden)
     shown = json.loads(results.read_text())
@@ -725,7 +744,7 @@ def test_a_process_that_keeps_reforking_dies_with_its_sandbox_and_temporary_file
 ])
 def test_an_engine_step_cannot_be_forged(tmp_path, fixture, why):
     submission = make_submission(tmp_path / "sub", fixture)
-    report = grade(submission, only="5.2")
+    report = grade_from_template(submission, only="5.2")
     assert report.by_exercise()["5.2"] == (0, 3), [t.output[:300] for t in report.tests]
     assert all(why in out for out in outputs(report, "5.2")), [t.output[:300] for t in report.tests]
     assert report.by_exercise()["5.1"] == (4, 4) if "5.1" in report.by_exercise() else True

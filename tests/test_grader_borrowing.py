@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_grader import ROOT, make_submission, outputs
-from toyllm.grading import grade
+from test_grader import ROOT, grade_from_template, make_submission, outputs
 
 
 # Lines of the model answers, searched for in the sandbox's memory: each exercise's longest lines that occur
@@ -87,11 +86,11 @@ def test_no_sandbox_holds_any_model_answer_whatever_exercise_it_serves(tmp_path,
 @pytest.mark.timeout(400)
 def test_another_exercises_model_answer_earns_nothing(tmp_path):
     submission = make_submission(tmp_path / "sub", "borrowing")
-    report = grade(submission, only=["1.1", "5.1"])
+    report = grade_from_template(submission, only=["1.1", "5.1"])
     scores = report.by_exercise()
     for exercise in ("1.1", "5.1"):
         said = outputs(report, exercise)
         assert scores[exercise][0] == 0 < scores[exercise][1], (exercise, said)
         assert any("must be your own code" in out for out in said), (exercise, said)
-    answers = grade("solutions", only=["1.1", "5.1"]).by_exercise()
+    answers = grade_from_template("solutions", only=["1.1", "5.1"]).by_exercise()
     assert all(got == most for got, most in answers.values()), answers

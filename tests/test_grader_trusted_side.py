@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from toyllm.grading import grade
+from test_grader import grade_from_template
 from toyllm.grading.sandbox.harness import MAX_EVALUATIONS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +39,7 @@ def submission(folder: Path, fixture: str | None = None, **extra: str) -> Path:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_model_answers_of_the_searches_score_full_marks():
-    report = grade("solutions", only=SEARCHES)
+    report = grade_from_template("solutions", only=SEARCHES)
     assert report.score == report.max_score == 9, [(t.name, t.output) for t in report.tests if t.status != "passed"]
 
 
@@ -49,7 +49,7 @@ def test_the_model_answers_of_the_searches_score_full_marks():
 def test_reading_the_answer_out_of_the_cost_or_turning_the_count_off_scores_zero(tmp_path):
     """The cost's keywords, its closure, ``__reduce__``, the objects gc finds next to it and the old evaluation
     log's switch: none of them is in the sandbox, so each search is left with a wrong guess."""
-    report = grade(submission(tmp_path / "sub", "reading_answers"), only=SEARCHES)
+    report = grade_from_template(submission(tmp_path / "sub", "reading_answers"), only=SEARCHES)
     assert {t.exercise for t in report.tests} == set(SEARCHES)
     assert report.score == 0, [(t.name, t.score) for t in report.tests if t.score]
 
@@ -71,7 +71,7 @@ def test_a_cost_is_dead_after_its_call_and_a_search_that_never_stops_is_stopped(
                 speedup(lo)
     '''
     folder = submission(tmp_path / "sub", ex07="_model_break_even = break_even_context\n" + textwrap.dedent(kept))
-    report = grade(folder, only="7.4", per_test_timeout_s=60)
+    report = grade_from_template(folder, only="7.4", per_test_timeout_s=60)
     outputs = {t.name.split(": ")[1]: (t.status, t.output) for t in report.tests}
     status, output = outputs["test_ex7_4_a_known_crossing_with_few_calls"]
     assert status == "failed" and "only valid during the call it was given to" in output, output

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from toyllm.grading import grade
+from test_grader import grade_from_template
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSON = "ex09_ring_attention.py"
@@ -44,7 +44,7 @@ def test_an_unscaled_merge_a_shifted_mask_and_a_forgotten_lse_lose_their_points(
         ("~causal_mask(q_pos, k_pos)", "~causal_mask(q_pos - 1, k_pos)"),
         # 9.4: the partial outputs come back without their lses
         ("(n_heads * head_dim + n_heads * (head_dim + 1))", "(n_heads * head_dim + n_heads * head_dim)"))
-    report = grade(sub, only=["9.1", "9.2", "9.4"])
+    report = grade_from_template(sub, only=["9.1", "9.2", "9.4"])
     scores = report.by_exercise()
     assert scores["9.1"] == (0, 2) and scores["9.2"] == (0, 2) and scores["9.4"] == (0, 2), scores
     outputs = {t.nodeid.rpartition("::")[2]: t.output for t in report.tests}
@@ -62,7 +62,7 @@ def test_an_unscaled_merge_a_shifted_mask_and_a_forgotten_lse_lose_their_points(
 def test_a_block_attended_with_the_positions_of_the_step_before_fails_every_engine_run(tmp_path):
     sub = submission(tmp_path, ("        k_pos = pos.layout[ring.origin(step)]\n",
                                 "        k_pos = pos.layout[ring.origin(step - 1)]\n"))
-    report = grade(sub, only="9.3")
+    report = grade_from_template(sub, only="9.3")
     status = statuses(report)
     assert status["test_ex9_3_two_and_three_ranks_give_equal_logits"] == "failed", status
     assert status["test_ex9_3_four_ranks_and_decoding_continues"] == "failed", status
@@ -75,7 +75,7 @@ def test_a_block_attended_with_the_positions_of_the_step_before_fails_every_engi
 @pytest.mark.timeout(400)
 def test_computing_future_blocks_gives_the_right_logits_and_loses_only_the_skip_point(tmp_path):
     sub = submission(tmp_path, ("        if int(k_pos[0]) <= int(pos.q_pos[-1]):", "        if True:"))
-    report = grade(sub, only="9.3")
+    report = grade_from_template(sub, only="9.3")
     status = statuses(report)
     assert status == {"test_ex9_3_two_and_three_ranks_give_equal_logits": "passed",
                       "test_ex9_3_zigzag_and_the_causal_kernel": "passed",

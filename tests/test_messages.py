@@ -174,12 +174,11 @@ def test_under_the_grader_a_test_that_failed_through_8_2_names_it_and_an_unwritt
     """The grader runs the submission's own neighbours in this edition too: model answers but a wrong 8.2 and an
     unwritten lesson 02 (PyTorch's kernel stands in for 2.1). 8.1's failed tests name 8.2 and never 2.1; 8.4,
     which runs no other exercise, keeps full marks."""
-    from test_grader import outputs
-    from toyllm.grading import grade
+    from test_grader import grade_from_template, outputs
 
     _variant(tmp_path, "8.2", NO_CUT, CUT_MISSING)
     (tmp_path / "ex02_kv_cache.py").write_text((ROOT / "exercises" / "ex02_kv_cache.py").read_text())
-    report = grade(tmp_path, only=["ex08"])
+    report = grade_from_template(tmp_path, only=["ex08"])
     scores = report.by_exercise()
     assert scores["8.2"][0] < scores["8.2"][1] and scores["8.4"][0] == scores["8.4"][1], scores
     said = outputs(report, "8.1")

@@ -165,13 +165,15 @@ _standby: Standby | None = None
 _template = ZygoteSlot()
 
 
-def close_standby() -> None:
-    """End the standby pytest process, if one is waiting, and the template it came from."""
+def close_standby(keep_template: bool = False) -> None:
+    """End the standby pytest process, if one is waiting, and the template it came from (unless
+    ``keep_template``: the next ``grade(template=True)`` of this process then forks its copies from it)."""
     global _standby
     if _standby is not None:
         _standby.close()
         _standby = None
-    _template.end()
+    if not keep_template:
+        _template.end()
 
 
 def run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env: str, timeout_s: float,
