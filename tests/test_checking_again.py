@@ -5,8 +5,9 @@
 prove that a claimed standby grades the file as it is now (not as it was
 when the standby started), that a grading without ``keep_warm`` leaves no
 process behind, and that a standby nobody claims ends with its grader.
-The figures of how much quicker are measured by ``python -m
-toyllm.grading.grader.timing`` (docs/grading.md), never asserted here.
+A lesson's first cell calls ``prepare_check()``, which starts that standby
+before the first check. The figures of how much quicker are measured by
+``python -m toyllm.grading.grader.timing`` (docs/grading.md), never asserted here.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from toyllm.grading import grade
+from toyllm.grading import check, grade, prepare_check
 from toyllm.grading.grader import run as grading_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,6 +55,28 @@ def test_a_claimed_standby_grades_the_file_as_it_is_now(tmp_path):
         assert not psutil.pid_exists(waiting) or psutil.Process(waiting).status() == psutil.STATUS_ZOMBIE
         _write(tmp_path, wrong=True)
         assert grade(sub, only="3.1", keep_warm=True).by_exercise()["3.1"] == (1, 2)
+    finally:
+        grading_run.close_standby()
+    assert _standby_pid() is None
+
+
+@pytest.mark.grader
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_first_check_claims_the_process_prepare_check_started(tmp_path, capsys):
+    sub = _write(tmp_path, wrong=True)
+    try:
+        prepare_check()
+        prepared = grading_run._standby
+        assert prepared is not None and prepared.proc.poll() is None, "prepare_check leaves a standby waiting"
+        prepare_check()                                    # one is waiting: it stays, no second one starts
+        assert grading_run._standby is prepared
+        check("3.1", impl=sub)
+        assert "Exercise 3.1: 1 / 2 points" in capsys.readouterr().out
+        # claimed: it ran the lesson's pytest and exited with pytest's code (a test failed: 1); a standby
+        # that did not fit would have been killed by a signal instead
+        assert prepared.proc.wait(timeout=60) == 1
+        assert _standby_pid() not in (None, prepared.proc.pid), "the check leaves the next standby"
     finally:
         grading_run.close_standby()
     assert _standby_pid() is None

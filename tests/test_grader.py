@@ -6,9 +6,11 @@ lesson's pytest process and sandboxes are copies of one template that
 imported torch once, kept for the whole test process (one lesson's grading
 about 1 s instead of 4). ``grade`` from Python without a template, as a
 notebook's ``check()`` calls it, starts fresh Pythons (a few seconds a
-lesson, mostly importing torch); it grades the whole course once per module
-(``solutions_graded``), and the tests that compare the processes or scratch
-folders before and after a grading use it too.
+lesson, mostly importing torch): the tests that compare the processes or
+scratch folders before and after a grading use it, and grading twice
+compares it with the template's grading test by test. Every exercise of the
+model answers is graded that way too, with full marks asserted, where the
+lessons call ``check()`` (``tests/test_notebooks.py`` and the browser test).
 """
 from __future__ import annotations
 
@@ -103,7 +105,7 @@ def hidden_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def solutions_graded(hidden_dir, tmp_path_factory):
     results = tmp_path_factory.mktemp("results") / "results.json"
-    report = grade("solutions", extra_tests=hidden_dir, results_path=results)
+    report = grade_from_template("solutions", extra_tests=hidden_dir, results_path=results)
     return report, json.loads(results.read_text())
 
 
@@ -160,7 +162,7 @@ def test_untouched_exercises_score_exactly_zero(exercises_graded, solutions_grad
 @pytest.mark.timeout(300)
 def test_grading_twice_gives_identical_results(solutions_graded):
     first, _ = solutions_graded
-    again = grade_from_template("solutions", only="ex01")      # from the template; the first from fresh Pythons
+    again = grade("solutions", only="ex01")      # from fresh Pythons, as check() grades; the first from the template
     key = lambda r: [(t.name, t.nodeid, t.score, t.max_score, t.status, t.output) for t in r.tests]
     assert key(again) == key(GradeReport("solutions", [t for t in first.tests if t.lesson == 1 and not t.hidden]))
 

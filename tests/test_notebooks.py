@@ -16,8 +16,10 @@ Static checks (fast) on every notebook in ``notebooks/``:
 Execution (slow): each notebook runs top to bottom in a fresh kernel of this
 interpreter, in ``notebooks/``, with TOYLLM_FAST=1 (smaller experiments, no
 skipped cells) and TOYLLM_IMPL=solutions (the model answers, so the exercise
-cells pass), no cell may raise, and every verdict a cell prints follows
-from the runs it prints (``tests/verdict_text.py``); the lessons that time
+cells pass), no cell may raise, every ``check("N.M")`` prints full marks
+(so every exercise is graded there once, through ``check()``'s own
+processes), and every verdict a cell prints follows from the runs it
+prints (``tests/verdict_text.py``); the lessons that time
 things in their own cells run beside processes spinning on every core but
 one (on 2 cores, one). When the same pytest run also runs the browser test
 (``tests/browser``, Chromium installed), that test already runs every
@@ -41,7 +43,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from verdict_text import BUSY_LESSONS, count_verdicts, cpu_hog, verdict_problems
+from verdict_text import BUSY_LESSONS, check_problems, count_verdicts, cpu_hog, verdict_problems
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
@@ -188,6 +190,24 @@ def test_builds_on_is_said_alike_in_metadata_and_first_cell(path):
     assert not unknown, f"{path.name}: builds on {unknown}, which no grader or framework mark knows"
 
 
+def test_a_check_that_loses_points_or_prints_none_is_a_problem():
+    """What the execution below reads back from every cell that calls check()."""
+    from toyllm.grading.grader.report import format_points
+
+    def points(ex, got, most):           # the line check() ends with
+        return f"Exercise {ex}: {format_points(got)} / {format_points(most)} points"
+
+    source = 'check("2.1")\ncheck("2.3")   # grades just this exercise'
+    full = f"  ok   test_ex2_1_matches (4 point(s))\n{points('2.1', 4, 4)}\n{points('2.3', 2.5, 2.5)}\n"
+    assert check_problems(source, full) == []
+    assert check_problems(source, full.replace(points("2.3", 2.5, 2.5), points("2.3", 1.5, 2.5))) == [
+        "check('2.3') gave 1.5 of 2.5 points"]
+    assert check_problems(source, full.split(points("2.3", 2.5, 2.5))[0]) == ["check('2.3') printed no points"]
+    assert check_problems(source, points("2.1", 0, 0) + "\n" + points("2.3", 2.5, 2.5)) == [
+        "check('2.1') gave 0 of 0 points"]
+    assert check_problems("print(1)", points("2.1", 0, 4)) == []          # only the cell's own checks count
+
+
 # --------------------------------------------------------------------------- execution
 
 def _browser_runs(session, path: Path) -> bool:
@@ -253,6 +273,9 @@ def test_notebook_runs_top_to_bottom(path, kernel_spec_manager, monkeypatch, req
     printed = "\n".join(o.get("text", "") for c in code_cells for o in c.outputs if o.output_type == "stream")
     assert not verdict_problems(printed), f"{path.name}: {verdict_problems(printed)}"
     assert count_verdicts(printed) or not busy, f"{path.name} printed no verdict to check"
+    checks = [problem for c in code_cells for problem in check_problems(
+        c.source, "".join(o.get("text", "") for o in c.outputs if o.output_type == "stream"))]
+    assert not checks, f"{path.name}: {checks}"
 
 
 @pytest.mark.slow

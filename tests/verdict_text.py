@@ -1,4 +1,5 @@
 """Reading verdicts back from printed text: does every "A ... vs B ...: verdict" follow the runs it prints?
+(And does every ``check()`` of a lesson give full marks: ``check_problems``.)
 
 ``toyllm.measure.Verdict.sentence`` prints both medians with the range of
 their runs and then its decision. ``verdict_problems`` finds every such
@@ -104,6 +105,26 @@ def verdict_problems(text: str, min_effect: float = 0.01) -> list[str]:
     for m in NOT_COMPARABLE.finditer(text):
         if _min_p(int(m["n"]), int(m["m"] or m["n"])) <= ALPHA:
             problems.append(f"'not comparable' from enough runs for a verdict: {m[0]!r}")
+    return problems
+
+
+# A notebook cell's ``check("2.1")`` and the line it ends with: "Exercise 2.1: 4 / 4 points" (toyllm.grading.check)
+CHECK_CALL = re.compile(r"""\bcheck\(["'](?P<ex>\d+\.\d+)["']\)""")
+POINTS = re.compile(r"^Exercise (?P<ex>\d+\.\d+): (?P<got>[0-9.]+) / (?P<most>[0-9.]+) points$", re.M)
+
+
+def check_problems(source: str, text: str) -> list[str]:
+    """One line for each ``check()`` in a cell's ``source`` whose printed ``text`` does not end in full marks.
+
+    The lessons run with every exercise answered (the model answers, or a student's finished ones): a
+    check that loses points, or prints none, is a lesson that does not work."""
+    scores = {m["ex"]: (float(m["got"]), float(m["most"])) for m in POINTS.finditer(text)}
+    problems = []
+    for ex in CHECK_CALL.findall(source):
+        if ex not in scores:
+            problems.append(f"check({ex!r}) printed no points")
+        elif scores[ex][0] != scores[ex][1] or scores[ex][1] == 0:
+            problems.append(f"check({ex!r}) gave {scores[ex][0]:g} of {scores[ex][1]:g} points")
     return problems
 
 

@@ -13,6 +13,7 @@ Run > Run All Cells, waits for the kernel, and then reads the rendered page:
   (``VBox(children=...)``, what a page without the widget renderer shows);
 - moving the first slider of the lesson's first widget with the mouse changes
   what the widget shows (its text or its figure), i.e. the kernel answered;
+- every ``check("N.M")`` of the lesson printed full marks (the lessons run the model answers);
 - every printed verdict ("KVR 0.41 s [0.40-0.43 s] vs TSP 0.50 s [...]: KVR is
   1.22x faster") follows from the runs it prints (``tests/verdict_text.py``);
   the lessons that time things through their own cells run beside processes
@@ -38,9 +39,9 @@ import pytest
 from toyllm import answers
 
 try:
-    from tests.verdict_text import BUSY_LESSONS, count_verdicts, cpu_hog, verdict_problems
+    from tests.verdict_text import BUSY_LESSONS, check_problems, count_verdicts, cpu_hog, verdict_problems
 except ImportError:                          # tests/ itself on sys.path
-    from verdict_text import BUSY_LESSONS, count_verdicts, cpu_hog, verdict_problems
+    from verdict_text import BUSY_LESSONS, check_problems, count_verdicts, cpu_hog, verdict_problems
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LESSONS = sorted((REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -122,6 +123,7 @@ def find_problems(cells: list[dict], sources: list[str]) -> list[str]:
             problems += [f"{where}: {problem}" for problem in verdict_problems(text)]
         if PLOT_CALL.search(source) and not any(out["images"] for out in outputs):
             problems.append(f"{where}: draws a plot but the page shows no image")
+        problems += [f"{where}: {problem}" for problem in check_problems(source, "\n".join(o["text"] for o in outputs))]
     return problems
 
 

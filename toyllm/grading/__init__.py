@@ -44,7 +44,8 @@
    ``grade()`` runs them in a trusted pytest process per lesson, and the
    submission in a sandbox process beside it (see ``sandbox``). Each test
    scores all of its points or none. ``check("2.1")`` grades one exercise
-   from a notebook cell. docs/grading.md is the instructors' guide.
+   from a notebook cell; ``prepare_check()``, in a lesson's first cell,
+   starts its process ahead. docs/grading.md is the instructors' guide.
 
 Command line::
 
@@ -53,7 +54,7 @@ Command line::
     python -m toyllm.grading sync [--check] [--force]
 """
 from ..course import course_root, current_impl, load_exercise, resolve_impl
-from .grader.grade import GradingError, check, grade
+from .grader.grade import GradingError, check, grade, prepare_check
 from .grader.report import GradeReport, TestResult
 from .sandbox.local import sandboxed
 from ..stubs import make_stub, sync

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from ...course import NAMED_IMPLS, current_impl, grading_tests_dir, resolve_impl
 from .report import GradeReport, explain, format_points
-from .run import GradingError, close_standby, hideable, open_to_others, private_copy_of_tests, run_lesson
+from .run import (GradingError, close_standby, hideable, open_to_others, private_copy_of_tests, run_lesson,
+                  start_standby)
 from ..sandbox.process import DEFAULT_MEMORY_MB, isolation, namespaces_work, sandbox_user
 from .selection import held_lessons, lesson_files, lesson_ranges, select
 from ..sandbox.submission import read_submission
@@ -146,3 +147,11 @@ def check(exercise: str, impl: str | os.PathLike | None = None) -> None:
         if t.status != "passed":
             print(explain(t, indent="       "))
     print(f"Exercise {exercise}: {format_points(report.score)} / {format_points(report.max_score)} points")
+
+
+def prepare_check() -> None:
+    """Start the process the next ``check()`` grades in now, so a lesson's first check answers in about a
+    second instead of waiting for Python and torch to start (about 4 s). A lesson calls it in its first
+    cell; the process waits, idle, until a check claims it, and ends with the notebook's kernel.
+    Nothing happens if one is already waiting."""
+    start_standby(DEFAULT_MEMORY_MB)
