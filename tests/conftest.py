@@ -21,10 +21,10 @@ import pytest
 import torch
 
 try:                                   # the hooks that keep an ``alone`` test alone under pytest-xdist
-    from side_by_side import costliest_files_first, pytest_configure, pytest_runtest_protocol  # noqa: F401
+    import side_by_side
+    from side_by_side import pytest_configure, pytest_runtest_protocol  # noqa: F401
 except ImportError:                     # this file's copy beside the grader's tests, which run one at a time
-    def costliest_files_first(config, items):
-        pass
+    side_by_side = None
 
 torch.set_grad_enabled(False)
 
@@ -66,7 +66,8 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("library") and not (module and module.get_closest_marker("library")):
             raise pytest.UsageError(f"{item.nodeid} is marked library on its own: mark the whole file "
                                     "(pytestmark = pytest.mark.library), or none of it")
-    costliest_files_first(config, items)
+    if side_by_side is not None:
+        side_by_side.costliest_files_first(config, items)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -108,4 +109,3 @@ def smollm2():
     from toyllm import load_model
 
     return load_model("smollm2-135m")
-
