@@ -226,7 +226,11 @@ def outputs(report, exercise: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_crash_or_a_hang_costs_only_the_test_that_met_it(tmp_path):
+    """Also when the submission is slow to import: the sandbox a timeout stopped is started again, and the
+    submission imported again, in the next test's own time (not in what is left of the hung one's)."""
     submission = make_submission(tmp_path / "sub", "crashing", "hanging")
+    ex03 = next(submission.glob("ex03_*.py"))
+    ex03.write_text(ex03.read_text() + "\nimport time\ntime.sleep(1.5)               # a slow import\n")
     results = tmp_path / "results.json"
     report = grade_from_template(submission, only=["ex02", "ex03"], per_test_timeout_s=8, results_path=results)
     lost = {t.name: t for t in report.tests if t.status != "passed"}

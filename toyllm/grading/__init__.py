@@ -10,7 +10,7 @@
   process (``process``, ``launcher``, ``server``), what crosses to it and
   back (``wire``), the rules a submitted call runs under (``guard``), the
   same rules in this process (``local``: a plain pytest run, and
-  ``sandboxed``), trusted helpers that graded tests run next to the
+  ``sandboxed``, ``sandboxed_record``), trusted helpers that graded tests run next to the
   submission (``harness``, ``counted``) and a submission's files read within
   bounds (``submission``);
 - ``grader/``: the trusted side: ``grade`` and ``check`` (``grade``),
@@ -56,9 +56,10 @@ Command line::
 from ..course import course_root, current_impl, load_exercise, resolve_impl
 from .grader.grade import GradingError, check, grade, prepare_check
 from .grader.report import GradeReport, TestResult
-from .sandbox.local import sandboxed
+from .sandbox.local import sandboxed, sandboxed_record
 from ..stubs import make_stub, sync
 from .grader.cli import add_arguments, main
 
 __all__ = ["GradeReport", "GradingError", "TestResult", "add_arguments", "check", "course_root", "current_impl",
-           "grade", "load_exercise", "main", "make_stub", "resolve_impl", "sandboxed", "sync"]
+           "grade", "load_exercise", "main", "make_stub", "resolve_impl", "sandboxed",
+           "sandboxed_record", "sync"]

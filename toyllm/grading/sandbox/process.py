@@ -44,14 +44,17 @@ Test authors reach trusted helpers that must run next to the submission
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import BinaryIO, Callable, NamedTuple
@@ -495,6 +498,10 @@ class Sandbox:
         """End the sandbox and every process it started, however they detached."""
         if self.proc is None:
             return
+        with _alarm_held():
+            self._kill()
+
+    def _kill(self) -> None:
         proc, self.proc = self.proc, None
         signal_group(proc.pid)
         proc.wait()
@@ -642,6 +649,23 @@ def _children():
 
 
 
+@contextlib.contextmanager
+def _alarm_held():
+    """pytest-timeout's alarm (SIGALRM) waits until the block is done, and fires right after.
+
+    The sandbox is ended when a call times out, which is often just before the test's own limit: an end cut
+    short there would leave the sandbox's processes and scratch folder behind for the next test.
+    """
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
 def _answer_callback(request: dict, callbacks: dict) -> dict:
     """The reply to the sandbox asking for the value of a grading cost given to the call now running."""
     number = request.get("callback")
@@ -677,6 +701,15 @@ def _get_sandbox() -> Sandbox:
         hide = [p for p in (settings.hide or "").split(os.pathsep) if p]
         _sandbox = Sandbox(int(settings.memory_mb or DEFAULT_MEMORY_MB), hide)
     return _sandbox
+
+
+def running_sandbox() -> Sandbox | None:
+    """The sandbox serving the current test's exercise, if its process is up now; None before the test's first
+    call, and after a crash or a timeout stopped it."""
+    sandbox = _sandbox
+    if sandbox is None or sandbox.proc is None or sandbox.exercise != context.exercise:
+        return None
+    return sandbox
 
 
 def prestart() -> None:
