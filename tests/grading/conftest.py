@@ -258,7 +258,19 @@ def _exercises_ran() -> set[str]:
 
 
 _PENDING: list[tuple] = []      # (report, exercise, exercises it ran) of each failed test, noted at the end
+_FAILED_ALONE: set[str] | None = None   # see _failed_alone
 _NOTED: list[tuple[str, str]] = []  # (test, note) for the terminal's summary
+
+
+def _failed_alone() -> set[str]:
+    """The exercises seen failing a test of their own that ran no other exercise, here and (under the grader)
+    in the earlier lessons' processes: a note that names one of them needs no grading of it."""
+    global _FAILED_ALONE
+    if _FAILED_ALONE is None:
+        from toyllm.grading.grader import plugin
+
+        _FAILED_ALONE = plugin.failed_alone_before()
+    return _FAILED_ALONE
 
 
 def _add_note(report, note: str) -> None:
@@ -281,16 +293,21 @@ def pytest_runtest_makereport(item, call):
     if not runs_submission or report.when not in ("setup", "call"):
         return report
     ran = _exercises_ran()                      # after setup: empty, so that the call's record is its own
-    if report.when == "call" and report.failed:
-        from toyllm.grading.expect import ran_also
-        from toyllm.grading.grader.plugin import exercise_of
-        from toyllm.grading.settings import Settings
+    if not report.failed:
+        return report
+    from toyllm.grading.expect import ran_also
+    from toyllm.grading.grader import plugin
+    from toyllm.grading.settings import Settings
 
-        exercise = exercise_of(item)
-        if Settings.from_env(os.environ).neighbour:       # this run grades a neighbour for a note: say what else it ran
-            _add_note(report, ran_also(exercise, ran))
-        elif ran - {exercise}:
-            _PENDING.append((report, exercise, ran))
+    exercise = plugin.exercise_of(item)
+    if not ran - {exercise}:                    # it fails its own tests
+        if exercise not in _failed_alone():
+            _failed_alone().add(exercise)
+            plugin.log_failed_alone(exercise)   # the grader hands it on to the next lessons' processes
+    elif report.when == "call" and Settings.from_env(os.environ).neighbour:   # graded for a note: say what else it ran
+        _add_note(report, ran_also(exercise, ran))
+    elif report.when == "call":
+        _PENDING.append((report, exercise, ran))
     return report
 
 
@@ -303,7 +320,7 @@ def pytest_sessionfinish(session):
 
     while _PENDING:
         report, exercise, ran = _PENDING.pop(0)
-        note = neighbours_note(exercise, ran)
+        note = neighbours_note(exercise, ran, failed_alone=_failed_alone())
         if note:
             _add_note(report, note)
             plugin.pytest_runtest_logreport(report)

@@ -243,7 +243,7 @@ _verdicts: dict[tuple, bool] = {}            # (exercise, implementation, its fi
 _RAN_ALSO = "this test also ran Exercise "
 
 
-def neighbours_note(exercise: str, ran) -> str:
+def neighbours_note(exercise: str, ran, failed_alone=()) -> str:
     """Which of the other exercises a failed test ran fail their own graded tests, as advice; "" if none does.
 
     Under the grader (either edition) and in the student edition no model
@@ -254,11 +254,16 @@ def neighbours_note(exercise: str, ran) -> str:
     graded on its own (once per version of its file), and one that fails
     is named: "this test also ran your gather_rows (Exercise 8.2), which
     fails its own tests: fix 8.2 first".
+
+    failed_alone: exercises already seen failing, in this run, a test of their own that ran no other exercise:
+    they fail their own tests, and are not graded again to learn it (a stub's lesson names 2.1 in most of its
+    failed tests). The others are, since this run may hold only some of their tests.
     """
     from toyllm import answers
 
     marks = answers.answer_marks()
-    failing = [n for n in sorted(set(ran) - {exercise}) if n in marks and _fails_own_tests(n)]
+    failing = [n for n in sorted(set(ran) - {exercise})
+               if n in marks and (n in failed_alone or _fails_own_tests(n))]
     return "; ".join(f"this test also ran your {marks[n].function} (Exercise {n}), which fails its own tests: "
                      f"fix {n} first" for n in failing)
 

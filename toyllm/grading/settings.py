@@ -103,6 +103,12 @@ class Settings:
     """``TOYLLM_GRADE_TRACE``: the folder where ``harness.traced_step`` leaves what each rank attended over.
     Set and read by ``sandbox.harness`` (the workers write, the sandbox reads)."""
 
+    failed_alone: str | None = _variable("TOYLLM_GRADE_FAILED_ALONE")
+    """``TOYLLM_GRADE_FAILED_ALONE``: the exercises that an earlier lesson of this grading saw failing a graded
+    test of their own that ran no other exercise (``"2.1,2.3"``): a failed test's note may name them without
+    grading them again. Set by ``grader.run``; read by the graded tests' conftest, which logs more
+    (``plugin.log_failed_alone``)."""
+
     neighbour: str | None = _variable("TOYLLM_GRADE_NEIGHBOUR")
     """``TOYLLM_GRADE_NEIGHBOUR``: set (``"1"``) while another exercise is graded only for a failure's note
     (``expect.ran_also``). Set by ``expect``; read by the graded tests' conftest."""

@@ -102,6 +102,7 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
     report = GradeReport(impl=impl_env, isolation=isolation(), notes=notes)
     start = time.perf_counter()
     done: set[int] = set()
+    failed_alone: set[str] = set()         # a failed test's note names these without grading them again
     with tempfile.TemporaryDirectory(prefix="toyllm-grade-") as tmp:      # mode 0700: the grader's alone
         tmp = Path(tmp)
         private_local, private_extra = private_copy_of_tests(tmp, extra_dir)
@@ -111,8 +112,10 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
             lesson = pending.pop(0)
             files = [private_local / local[lesson].name] if lesson in local else []
             # While a lesson runs, the next one's pytest process starts (and the last, for the next call).
-            results, seen_lessons = run_lesson(lesson, files, private_extra, exercises=only_exercises.get(lesson),
-                                                warm=keep_warm or bool(pending), **settings)
+            results, seen_lessons, seen_failing = run_lesson(
+                lesson, files, private_extra, exercises=only_exercises.get(lesson), warm=keep_warm or bool(pending),
+                failed_alone=frozenset(failed_alone), **settings)
+            failed_alone |= seen_failing
             done.add(lesson)
             report.tests.extend(results)
             # Hidden tests may name a lesson without a local test file: give it its own run too.

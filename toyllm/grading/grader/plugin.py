@@ -89,6 +89,17 @@ def _log(record: dict) -> None:
             f.write(json.dumps(record) + "\n")
 
 
+def failed_alone_before() -> set[str]:
+    """The exercises an earlier lesson of this grading saw failing a test of their own (``Settings.failed_alone``)."""
+    return {n for n in (_settings().failed_alone or "").split(",") if n}
+
+
+def log_failed_alone(exercise: str) -> None:
+    """Tell the grader that ``exercise`` failed a graded test of its own that ran no other exercise: the next
+    lessons' notes need not grade it again (``Settings.failed_alone``)."""
+    _log({"event": "failed alone", "exercise": exercise})
+
+
 @functools.lru_cache(maxsize=None)
 def _forbidden(exercise: str) -> tuple[str, ...]:
     """What a submission may not call while graded on ``exercise``: toyllm's marked answers and shortcuts."""

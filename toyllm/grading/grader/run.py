@@ -193,13 +193,16 @@ def start_standby(memory_mb: int) -> None:
 def run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env: str, timeout_s: float,
                 tmp: Path, memory_mb: int, exercises: set[str] | None = None,
                 extra_dir_original: Path | None = None, warm: bool = False,
-                template: bool = False, hide=()) -> tuple[list[TestResult], set[int]]:
-    """One pytest process for one lesson; returns its results and every lesson its collection saw.
+                template: bool = False, hide=(), failed_alone: frozenset[str] = frozenset()
+                ) -> tuple[list[TestResult], set[int], set[str]]:
+    """One pytest process for one lesson; returns its results, every lesson its collection saw, and the
+    exercises seen failing a test of their own that ran no other exercise (``plugin.log_failed_alone``).
 
     warm: start a standby pytest process for the next lesson or check while this one runs (and use
     the one a previous call started, if its settings fit).
     template: start each as a copy of the grading's template (``standby.from_template``).
     hide: more folders the submission must not see (``sandbox_settings``).
+    failed_alone: those an earlier lesson saw, handed on (``Settings.failed_alone``).
     """
     log = tmp / f"ex{lesson:02d}.jsonl"
     out = tmp / f"ex{lesson:02d}.out"
@@ -212,7 +215,8 @@ def run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env:
     # check to the next, and a standby started for one fits the next.
     settings = sandbox_settings(memory_mb, extra_dir_original, hide)
     run = Settings(impl=impl_env, log=str(log), lesson=str(lesson), timeout=f"{timeout_s:g}",
-                   exercises=",".join(sorted(exercises or ())), scratch=str(tmp)).to_env()
+                   exercises=",".join(sorted(exercises or ())), scratch=str(tmp),
+                   failed_alone=",".join(sorted(failed_alone))).to_env()
     global _standby
     standby, _standby = _standby, None
     if standby is not None and not standby.fits(settings):
@@ -287,7 +291,7 @@ def run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env:
         results.append(TestResult(name=name, nodeid=item["nodeid"], exercise=item["exercise"],
                                   score=item["points"] if status == "passed" else 0, max_score=item["points"],
                                   status=status, output=output, hidden=hidden))
-    return results, seen_lessons
+    return results, seen_lessons, {e["exercise"] for e in events if e["event"] == "failed alone"}
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
