@@ -45,6 +45,8 @@ import nbformat
 import pytest
 from verdict_text import BUSY_LESSONS, check_problems, count_verdicts, cpu_hog, verdict_problems
 
+from toyllm import answers
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 GRADING_DIR = REPO_ROOT / "tests" / "grading"
@@ -261,7 +263,10 @@ def test_notebook_runs_top_to_bottom(path, kernel_spec_manager, monkeypatch, req
     client = NotebookClient(nb, km=km, timeout=CELL_TIMEOUT_S, allow_errors=False,
                             resources={"metadata": {"path": str(NOTEBOOKS_DIR)}})
     start = time.perf_counter()
-    busy = path.stem in BUSY_LESSONS                          # its timings run beside a CPU hog
+    times = path.stem in BUSY_LESSONS                         # its cells time things and print verdicts
+    # ... beside a CPU hog, in the course. How the verdicts stand a busy machine is toyllm.measure's, the same file
+    # in the student edition, whose run reads them without the hog (docs/testing.md, "The student edition's filled run").
+    busy = times and answers.EDITION != "student"
     with cpu_hog() if busy else contextlib.nullcontext():
         client.execute()                                      # raises CellExecutionError on the first failing cell
     print(f"{path.name}: ran in {time.perf_counter() - start:.1f} s (TOYLLM_FAST=1)"
@@ -272,7 +277,7 @@ def test_notebook_runs_top_to_bottom(path, kernel_spec_manager, monkeypatch, req
     assert not errors, f"{path.name}: {[(e.ename, e.evalue) for e in errors]}"
     printed = "\n".join(o.get("text", "") for c in code_cells for o in c.outputs if o.output_type == "stream")
     assert not verdict_problems(printed), f"{path.name}: {verdict_problems(printed)}"
-    assert count_verdicts(printed) or not busy, f"{path.name} printed no verdict to check"
+    assert count_verdicts(printed) or not times, f"{path.name} printed no verdict to check"
     checks = [problem for c in code_cells for problem in check_problems(
         c.source, "".join(o.get("text", "") for o in c.outputs if o.output_type == "stream"))]
     assert not checks, f"{path.name}: {checks}"
