@@ -189,35 +189,41 @@ def test_under_the_grader_a_test_that_failed_through_8_2_names_it_and_an_unwritt
     assert not any("Exercise 2.1" in out for out in said), said
 
 
-def test_a_neighbour_already_seen_failing_its_own_test_is_named_without_grading_it_again(monkeypatch):
+
+def test_a_neighbour_whose_verdict_is_known_is_not_graded_again(monkeypatch):
     from toyllm.grading import expect
 
     monkeypatch.setattr(expect, "_fails_own_tests", lambda number: pytest.fail(f"Exercise {number} graded again"))
-    note = expect.neighbours_note("5.1", {"5.1", "2.1"}, failed_alone={"2.1", "5.1"})
+    note = expect.neighbours_note("5.1", {"5.1", "2.1"}, known={"2.1": True, "5.1": True})
     assert note == "this test also ran your attention_with_offset (Exercise 2.1), which fails its own tests: fix 2.1 first"
-    assert expect.neighbours_note("5.1", {"5.1"}, failed_alone={"2.1"}) == ""
+    assert expect.neighbours_note("5.1", {"5.1", "2.1"}, known={"2.1": False}) == ""
 
 
 @pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_what_one_lesson_saw_failing_is_handed_to_the_next_and_named_there(monkeypatch):
-    """The stubs of lessons 02 and 04: lesson 02's own tests fail 2.1, so lesson 04's process is told, and its
-    failed engine tests name 2.1 without grading it again in a new process."""
+def test_what_one_lesson_showed_of_its_exercises_is_handed_to_the_next(monkeypatch, tmp_path):
+    """Lessons 02 and 04 untouched, lesson 03 the model answer: lesson 02's own tests fail 2.1 and lesson 03's
+    all pass, so lesson 04's process is told both, and its failed engine tests name 2.1 without grading it
+    again in a new process."""
     from test_grader import grade_from_template
 
     from toyllm.grading.grader import grade as grading
 
+    for folder, lesson in (("exercises", "ex02"), ("solutions", "ex03"), ("exercises", "ex04")):
+        source = next((ROOT / folder).glob(f"{lesson}_*.py"))
+        (tmp_path / source.name).write_text(source.read_text())
     handed = {}
     real = grading.run_lesson
 
-    def spy(lesson, *args, failed_alone=frozenset(), **kwargs):
-        handed[lesson] = failed_alone
-        return real(lesson, *args, failed_alone=failed_alone, **kwargs)
+    def spy(lesson, *args, verdicts=None, **kwargs):
+        handed[lesson] = dict(verdicts)
+        return real(lesson, *args, verdicts=verdicts, **kwargs)
 
     monkeypatch.setattr(grading, "run_lesson", spy)
-    report = grade_from_template("exercises", only="ex02,ex04")
-    assert handed[2] == frozenset() and "2.1" in handed[4], handed
+    report = grade_from_template(tmp_path, only="ex02,ex03,ex04")
+    assert handed[2] == {}, handed
+    assert handed[4]["2.1"] is True and all(handed[4][f"3.{n}"] is False for n in range(1, 7)), handed
     note = "this test also ran your attention_with_offset (Exercise 2.1), which fails its own tests: fix 2.1 first"
     named = [t.name for t in report.tests if t.lesson == 4 and note in t.output]
     assert named, [t.output for t in report.tests if t.lesson == 4]

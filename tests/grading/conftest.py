@@ -258,19 +258,20 @@ def _exercises_ran() -> set[str]:
 
 
 _PENDING: list[tuple] = []      # (report, exercise, exercises it ran) of each failed test, noted at the end
-_FAILED_ALONE: set[str] | None = None   # see _failed_alone
+_VERDICTS: dict[str, bool] | None = None   # see _verdicts
 _NOTED: list[tuple[str, str]] = []  # (test, note) for the terminal's summary
 
 
-def _failed_alone() -> set[str]:
-    """The exercises seen failing a test of their own that ran no other exercise, here and (under the grader)
-    in the earlier lessons' processes: a note that names one of them needs no grading of it."""
-    global _FAILED_ALONE
-    if _FAILED_ALONE is None:
+def _verdicts() -> dict[str, bool]:
+    """{exercise: fails a graded test of its own} for the exercises known without grading them: true for those
+    seen failing a test that ran no other exercise, here, and under the grader also what the earlier lessons'
+    processes showed (false: every test of it passed). A note about one of them needs no grading of it."""
+    global _VERDICTS
+    if _VERDICTS is None:
         from toyllm.grading.grader import plugin
 
-        _FAILED_ALONE = plugin.failed_alone_before()
-    return _FAILED_ALONE
+        _VERDICTS = plugin.verdicts_before()
+    return _VERDICTS
 
 
 def _add_note(report, note: str) -> None:
@@ -301,8 +302,8 @@ def pytest_runtest_makereport(item, call):
 
     exercise = plugin.exercise_of(item)
     if not ran - {exercise}:                    # it fails its own tests
-        if exercise not in _failed_alone():
-            _failed_alone().add(exercise)
+        if not _verdicts().get(exercise):
+            _verdicts()[exercise] = True
             plugin.log_failed_alone(exercise)   # the grader hands it on to the next lessons' processes
     elif report.when == "call" and Settings.from_env(os.environ).neighbour:   # graded for a note: say what else it ran
         _add_note(report, ran_also(exercise, ran))
@@ -320,7 +321,7 @@ def pytest_sessionfinish(session):
 
     while _PENDING:
         report, exercise, ran = _PENDING.pop(0)
-        note = neighbours_note(exercise, ran, failed_alone=_failed_alone())
+        note = neighbours_note(exercise, ran, known=_verdicts())
         if note:
             _add_note(report, note)
             plugin.pytest_runtest_logreport(report)

@@ -243,7 +243,7 @@ _verdicts: dict[tuple, bool] = {}            # (exercise, implementation, its fi
 _RAN_ALSO = "this test also ran Exercise "
 
 
-def neighbours_note(exercise: str, ran, failed_alone=()) -> str:
+def neighbours_note(exercise: str, ran, known: dict[str, bool] | None = None) -> str:
     """Which of the other exercises a failed test ran fail their own graded tests, as advice; "" if none does.
 
     Under the grader (either edition) and in the student edition no model
@@ -255,15 +255,16 @@ def neighbours_note(exercise: str, ran, failed_alone=()) -> str:
     is named: "this test also ran your gather_rows (Exercise 8.2), which
     fails its own tests: fix 8.2 first".
 
-    failed_alone: exercises already seen failing, in this run, a test of their own that ran no other exercise:
-    they fail their own tests, and are not graded again to learn it (a stub's lesson names 2.1 in most of its
-    failed tests). The others are, since this run may hold only some of their tests.
+    known: {exercise: fails its own tests} where that is known already (a test of it failed in this run having
+    run no other exercise, or an earlier lesson of the grading showed it): those are not graded again to learn
+    it (an untouched lesson 02 would be graded once more by each engine lesson).
     """
     from toyllm import answers
 
+    known = known or {}
     marks = answers.answer_marks()
     failing = [n for n in sorted(set(ran) - {exercise})
-               if n in marks and (n in failed_alone or _fails_own_tests(n))]
+               if n in marks and (known[n] if n in known else _fails_own_tests(n))]
     return "; ".join(f"this test also ran your {marks[n].function} (Exercise {n}), which fails its own tests: "
                      f"fix {n} first" for n in failing)
 

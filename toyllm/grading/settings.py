@@ -103,11 +103,11 @@ class Settings:
     """``TOYLLM_GRADE_TRACE``: the folder where ``harness.traced_step`` leaves what each rank attended over.
     Set and read by ``sandbox.harness`` (the workers write, the sandbox reads)."""
 
-    failed_alone: str | None = _variable("TOYLLM_GRADE_FAILED_ALONE")
-    """``TOYLLM_GRADE_FAILED_ALONE``: the exercises that an earlier lesson of this grading saw failing a graded
-    test of their own that ran no other exercise (``"2.1,2.3"``): a failed test's note may name them without
-    grading them again. Set by ``grader.run``; read by the graded tests' conftest, which logs more
-    (``plugin.log_failed_alone``)."""
+    verdicts: str | None = _variable("TOYLLM_GRADE_VERDICTS")
+    """``TOYLLM_GRADE_VERDICTS``: what the earlier lessons of this grading showed of their exercises, as JSON
+    (``{"2.1": true, "2.2": false}``): true, it failed a graded test of its own that ran no other exercise;
+    false, every graded test of it passed. A failed test's note about another exercise needs no grading of
+    one listed. Set by ``grader.run``; read by the graded tests' conftest (``plugin.verdicts_before``)."""
 
     neighbour: str | None = _variable("TOYLLM_GRADE_NEIGHBOUR")
     """``TOYLLM_GRADE_NEIGHBOUR``: set (``"1"``) while another exercise is graded only for a failure's note

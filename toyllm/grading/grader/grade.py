@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from ...course import NAMED_IMPLS, current_impl, grading_tests_dir, resolve_impl
-from .report import GradeReport, explain, format_points
+from .report import GradeReport, TestResult, explain, format_points
 from .run import (GradingError, close_standby, hideable, open_to_others, private_copy_of_tests, run_lesson,
                   start_standby)
 from ..sandbox.process import DEFAULT_MEMORY_MB, isolation, namespaces_work, sandbox_user
@@ -102,7 +102,7 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
     report = GradeReport(impl=impl_env, isolation=isolation(), notes=notes)
     start = time.perf_counter()
     done: set[int] = set()
-    failed_alone: set[str] = set()         # a failed test's note names these without grading them again
+    verdicts: dict[str, bool] = {}     # exercise -> fails a test of its own: notes need not grade it again
     with tempfile.TemporaryDirectory(prefix="toyllm-grade-") as tmp:      # mode 0700: the grader's alone
         tmp = Path(tmp)
         private_local, private_extra = private_copy_of_tests(tmp, extra_dir)
@@ -112,10 +112,10 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
             lesson = pending.pop(0)
             files = [private_local / local[lesson].name] if lesson in local else []
             # While a lesson runs, the next one's pytest process starts (and the last, for the next call).
-            results, seen_lessons, seen_failing = run_lesson(
+            results, seen_lessons, failed_alone = run_lesson(
                 lesson, files, private_extra, exercises=only_exercises.get(lesson), warm=keep_warm or bool(pending),
-                failed_alone=frozenset(failed_alone), **settings)
-            failed_alone |= seen_failing
+                verdicts=verdicts, **settings)
+            verdicts.update(_verdicts(results, failed_alone, only_exercises.get(lesson)))
             done.add(lesson)
             report.tests.extend(results)
             # Hidden tests may name a lesson without a local test file: give it its own run too.
@@ -132,6 +132,20 @@ def grade(impl: str | os.PathLike = "exercises", only: str | list[str] | None = 
     if results_path is not None:
         report.write(results_path)
     return report
+
+
+def _verdicts(results: list[TestResult], failed_alone: set[str], selected: set[str] | None) -> dict[str, bool]:
+    """{exercise: fails a graded test of its own} as far as one lesson's results show it: true for those that
+    failed a test that ran no other exercise (the lesson's process logs them), false for those whose every
+    test ran (the lesson graded whole, or the exercise named) and passed."""
+    verdicts = {}
+    for exercise in {t.exercise for t in results}:
+        if exercise in failed_alone:
+            verdicts[exercise] = True
+        elif (selected is None or exercise in selected) and all(t.status == "passed" for t in results
+                                                                if t.exercise == exercise):
+            verdicts[exercise] = False
+    return verdicts
 
 
 def check(exercise: str, impl: str | os.PathLike | None = None) -> None:

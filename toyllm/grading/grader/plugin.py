@@ -89,14 +89,15 @@ def _log(record: dict) -> None:
             f.write(json.dumps(record) + "\n")
 
 
-def failed_alone_before() -> set[str]:
-    """The exercises an earlier lesson of this grading saw failing a test of their own (``Settings.failed_alone``)."""
-    return {n for n in (_settings().failed_alone or "").split(",") if n}
+def verdicts_before() -> dict[str, bool]:
+    """{exercise: fails a graded test of its own} as the earlier lessons of this grading showed it
+    (``Settings.verdicts``); empty outside the grader."""
+    return {str(k): bool(v) for k, v in json.loads(_settings().verdicts or "{}").items()}
 
 
 def log_failed_alone(exercise: str) -> None:
     """Tell the grader that ``exercise`` failed a graded test of its own that ran no other exercise: the next
-    lessons' notes need not grade it again (``Settings.failed_alone``)."""
+    lessons' notes need not grade it again (``Settings.verdicts``)."""
     _log({"event": "failed alone", "exercise": exercise})
 
 

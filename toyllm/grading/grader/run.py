@@ -193,7 +193,7 @@ def start_standby(memory_mb: int) -> None:
 def run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env: str, timeout_s: float,
                 tmp: Path, memory_mb: int, exercises: set[str] | None = None,
                 extra_dir_original: Path | None = None, warm: bool = False,
-                template: bool = False, hide=(), failed_alone: frozenset[str] = frozenset()
+                template: bool = False, hide=(), verdicts: dict[str, bool] | None = None
                 ) -> tuple[list[TestResult], set[int], set[str]]:
     """One pytest process for one lesson; returns its results, every lesson its collection saw, and the
     exercises seen failing a test of their own that ran no other exercise (``plugin.log_failed_alone``).
@@ -202,7 +202,7 @@ def run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env:
     the one a previous call started, if its settings fit).
     template: start each as a copy of the grading's template (``standby.from_template``).
     hide: more folders the submission must not see (``sandbox_settings``).
-    failed_alone: those an earlier lesson saw, handed on (``Settings.failed_alone``).
+    verdicts: what the earlier lessons showed of their exercises, handed on (``Settings.verdicts``).
     """
     log = tmp / f"ex{lesson:02d}.jsonl"
     out = tmp / f"ex{lesson:02d}.out"
@@ -216,7 +216,7 @@ def run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env:
     settings = sandbox_settings(memory_mb, extra_dir_original, hide)
     run = Settings(impl=impl_env, log=str(log), lesson=str(lesson), timeout=f"{timeout_s:g}",
                    exercises=",".join(sorted(exercises or ())), scratch=str(tmp),
-                   failed_alone=",".join(sorted(failed_alone))).to_env()
+                   verdicts=json.dumps(dict(sorted((verdicts or {}).items())))).to_env()
     global _standby
     standby, _standby = _standby, None
     if standby is not None and not standby.fits(settings):
