@@ -9,8 +9,8 @@ lacks (``FAKES`` below):
   ``ST_NODIRATIME``, ``ST_RELATIME``), ``os.sched_getaffinity``, ``prctl``/``unshare``/``mount`` in the C
   library; ``resource.setrlimit(RLIMIT_AS, ...)`` raises ValueError as macOS does; multiprocessing's
   default start method is spawn; the loopback interface is called ``lo0``;
-- "win32": as well, no ``resource``, ``fcntl``, ``pwd`` or ``grp`` module, no ``signal.SIGKILL``,
-  ``SIGHUP``, ``SIGQUIT``, no ``os.fork``, ``setpgid``, ``setsid``, ``killpg``, ``getpgid``, ``getsid``,
+- "win32": as well, no ``resource``, ``fcntl``, ``pwd`` or ``grp`` module, no ``signal.SIGKILL``
+  (``psutil.Process.kill``, TerminateProcess on Windows, sends signal 9 by number), ``SIGHUP``, ``SIGQUIT``, no ``os.fork``, ``setpgid``, ``setsid``, ``killpg``, ``getpgid``, ``getsid``,
   ``getuid``, ``geteuid``; ``subprocess.Popen`` refuses ``preexec_fn`` and ``pass_fds`` (and takes
   ``creationflags``, ignoring ``start_new_session``) as on Windows; the loopback interface is called
   ``Loopback Pseudo-Interface 1``.
@@ -70,6 +70,8 @@ def net_if_addrs():
         found[FAKE["loopback"]] = found.pop("lo")
     return found
 psutil.net_if_addrs = net_if_addrs
+if "SIGKILL" in FAKE["remove_signal"]:                # psutil's kill is TerminateProcess on Windows; its Linux half
+    psutil.Process.kill = lambda self: self.send_signal(9)   # reads the signal.SIGKILL taken away above
 for name in FAKE["hide_modules"]:
     sys.modules[name] = None                          # import raises ImportError
 
