@@ -19,9 +19,9 @@ skipped cells) and TOYLLM_IMPL=solutions (the model answers, so the exercise
 cells pass), no cell may raise, every ``check("N.M")`` prints full marks
 (so every exercise is graded there once, through ``check()``'s own
 processes), and every verdict a cell prints follows from the runs it
-prints (``tests/verdict_text.py``); the lessons that time
-things in their own cells run beside processes spinning on every core but
-one (on 2 cores, one). When the same pytest run also runs the browser test
+prints (``tests/verdict_text.py``); each lesson that times things in its
+own cells prints some, and lesson 01 runs beside processes spinning on every
+core but one (on 2 cores, one). When the same pytest run also runs the browser test
 (``tests/browser``, Chromium installed), that test already runs every
 notebook top to bottom, in JupyterLab, with the same settings and the same
 checks and more; running each one a second time here would only double the
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from verdict_text import BUSY_LESSONS, check_problems, count_verdicts, cpu_hog, verdict_problems
+from verdict_text import HOG_LESSONS, TIMING_LESSONS, check_problems, count_verdicts, cpu_hog, verdict_problems
 
 from toyllm import answers
 
@@ -263,10 +263,11 @@ def test_notebook_runs_top_to_bottom(path, kernel_spec_manager, monkeypatch, req
     client = NotebookClient(nb, km=km, timeout=CELL_TIMEOUT_S, allow_errors=False,
                             resources={"metadata": {"path": str(NOTEBOOKS_DIR)}})
     start = time.perf_counter()
-    times = path.stem in BUSY_LESSONS                         # its cells time things and print verdicts
-    # ... beside a CPU hog, in the course. How the verdicts stand a busy machine is toyllm.measure's, the same file
-    # in the student edition, whose run reads them without the hog (docs/testing.md, "The student edition's filled run").
-    busy = times and answers.EDITION != "student"
+    times = path.stem in TIMING_LESSONS                       # its cells time things and print verdicts
+    # ... lesson 01 beside a CPU hog, in the course. How the verdicts stand a busy machine is toyllm.measure's, the
+    # same file in the student edition, whose run reads them without the hog (docs/testing.md, "The student
+    # edition's filled run").
+    busy = path.stem in HOG_LESSONS and answers.EDITION != "student"
     with cpu_hog() if busy else contextlib.nullcontext():
         client.execute()                                      # raises CellExecutionError on the first failing cell
     print(f"{path.name}: ran in {time.perf_counter() - start:.1f} s (TOYLLM_FAST=1)"

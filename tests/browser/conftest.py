@@ -36,7 +36,7 @@ CHROMEDRIVER = Path("/usr/bin/chromedriver")
 INSTALL_HINT = ("the browser tests need Debian's Chromium and its driver: "
                 "apt-get install chromium chromium-driver (as root), then make test-browser")
 # OMP_WAIT_POLICY=PASSIVE: PyTorch's OpenMP threads sleep while they wait for each other instead of
-# spinning. The busy lessons run beside a CPU hog started by pytest, in another session (another
+# spinning. Lesson 01 runs beside a CPU hog started by pytest, in another session (another
 # scheduling group) than the kernel's; spinning threads then burn the kernel's share of the CPU waiting
 # for a descheduled partner, and a lesson ran several times slower (README, "Measuring honestly").
 KERNEL_ENV = {"TOYLLM_IMPL": os.environ.get("TOYLLM_IMPL") or "exercises", "TOYLLM_FAST": "1",

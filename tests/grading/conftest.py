@@ -129,6 +129,24 @@ ENGINE_ATOL = 1e-4      # float32 logits: the ranks sum the same products in ano
 ENGINE_LIMIT_S = 10
 
 
+def engine_limit_s() -> float:
+    """The limit of one graded engine run in seconds: ``TOYLLM_GRADE_ENGINE_LIMIT`` if set, else ENGINE_LIMIT_S."""
+    import math
+
+    from toyllm.grading.settings import Settings
+
+    text = Settings.from_env(os.environ).engine_limit
+    if text is None:
+        return ENGINE_LIMIT_S
+    try:
+        limit = float(text)
+    except ValueError:
+        limit = math.nan
+    if not (math.isfinite(limit) and limit > 0):
+        raise ValueError(f"{Settings.variable('engine_limit')} must be a number of seconds above 0, got {text!r}")
+    return limit
+
+
 def _assert_independent(fn, exercise: str) -> None:
     """Fail when the source of submitted function ``fn`` names one of toyllm's own implementations.
 
@@ -188,7 +206,7 @@ def make_engine_run():
 
     Checks that ``step`` is the student's own, runs it inside the real engine
     on p gloo processes started from the submission's side (a crash, a wrong
-    shape or a deadlock fails within ENGINE_LIMIT_S) and compares the first-token
+    shape or a deadlock fails within ``engine_limit_s()``) and compares the first-token
     logits with the one-process forward pass, computed here.
     """
     from toyllm.grading import sandboxed
@@ -199,12 +217,13 @@ def make_engine_run():
         _assert_independent(step, exercise)
         spec = spec or ModelSpec("tiny")
         ids = random_prompt(sum(chunks), 256, seed)
+        limit_s = engine_limit_s()
         ref_logits, ref_cache = single_prefill(spec.build(), ids)
         where = f"Exercise {exercise}, {step.__name__} in the engine, p={p}, chunks {chunks}" + (f" ({note})" if note else "")
         try:
             partition = None if options.get("balance") == "zigzag" else chunks     # zigzag lays out its own
             got = sandboxed("toyllm.grading.sandbox.harness:parallel_prefill", spec, ids, method, p, partition, step=step,
-                            warmup=0, return_cache=True, decode_tokens=decode, timeout_s=ENGINE_LIMIT_S, **options)
+                            warmup=0, return_cache=True, decode_tokens=decode, timeout_s=limit_s, **options)
         except Exception as e:
             pytest.fail(f"{where}: the run failed: {_root_cause(e)}")
         diff = (got.logits - ref_logits).abs().max().item()

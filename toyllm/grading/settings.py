@@ -78,6 +78,11 @@ class Settings:
     """``TOYLLM_GRADE_TIMEOUT``: seconds per test (the grader's ``--timeout``), also the longest a sandbox call
     may take outside a test. Set by ``grader.run``; read by ``sandbox.process``."""
 
+    engine_limit: str | None = _variable("TOYLLM_GRADE_ENGINE_LIMIT")
+    """``TOYLLM_GRADE_ENGINE_LIMIT``: seconds one run of the parallel engine in a graded test may take before it
+    fails as a deadlock (unset: 10). Set by the instructor (a slow machine) or a test; read by the graded tests'
+    conftest."""
+
     memory_mb: str | None = _variable("TOYLLM_GRADE_MEMORY_MB")
     """``TOYLLM_GRADE_MEMORY_MB``: the sandbox's address-space limit in MiB (the grader's ``--memory-mb``).
     Set by ``grader.run``; read by ``sandbox.process``."""
