@@ -1,10 +1,12 @@
 """Checking again is quick, and still grades what the student has just written.
 
 ``check()`` leaves a standby pytest process with a sandbox started ahead
-(``toyllm.grading.grader.run.Standby``); the next check claims it. These tests
-prove that a claimed standby grades the file as it is now (not as it was
-when the standby started), that a grading without ``keep_warm`` leaves no
-process behind, and that a standby nobody claims ends with its grader.
+(``toyllm.grading.grader.run.Standby``, on Linux a copy of the grading's
+template); the next check claims it. These tests prove that a claimed
+standby grades the file as it is now (not as it was when the standby
+started), that checks leave no zombie in the kernel, that a grading without
+``keep_warm`` leaves no process behind, and that a standby nobody claims ends
+with its grader.
 A lesson's first cell calls ``prepare_check()``, which starts that standby
 before the first check. The figures of how much quicker are measured by
 ``python -m toyllm.grading.grader.timing`` (docs/grading.md), never asserted here.
@@ -80,6 +82,33 @@ def test_the_first_check_claims_the_process_prepare_check_started(tmp_path, caps
     finally:
         grading_run.close_standby()
     assert _standby_pid() is None
+
+
+def _zombies() -> set[int]:
+    return {p.pid for p in psutil.Process().children() if p.status() == psutil.STATUS_ZOMBIE}
+
+
+@pytest.mark.grader
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="copies of a template need a child subreaper (Linux)")
+def test_checks_grade_in_copies_of_a_template_and_leave_no_zombie(tmp_path, capsys):
+    """On Linux a kernel's checks are copies of one process that imported torch once (the grading's template),
+    not fresh Pythons; the kernel becomes a child subreaper for them, so whatever dies below a check must have
+    been waited for before it comes back to the kernel, which would never wait for it."""
+    sub = _write(tmp_path, wrong=False)
+    before = _zombies()
+    try:
+        prepare_check()
+        assert grading_run._template.zygote is not None, "prepare_check starts the template its standby is copied from"
+        for _ in range(3):
+            check("3.1", impl=sub)
+            assert capsys.readouterr().out.endswith("Exercise 3.1: 2 / 2 points\n")
+        time.sleep(1.0)                                    # what was ending has ended
+        assert _zombies() - before == set()
+    finally:
+        grading_run.close_standby()
+    assert _standby_pid() is None and grading_run._template.zygote is None
 
 
 @pytest.mark.grader

@@ -162,7 +162,7 @@ def test_untouched_exercises_score_exactly_zero(exercises_graded, solutions_grad
 @pytest.mark.timeout(300)
 def test_grading_twice_gives_identical_results(solutions_graded):
     first, _ = solutions_graded
-    again = grade("solutions", only="ex01")      # from fresh Pythons, as check() grades; the first from the template
+    again = grade("solutions", only="ex01")      # from fresh Pythons (grade's default); the first from the template
     key = lambda r: [(t.name, t.nodeid, t.score, t.max_score, t.status, t.output) for t in r.tests]
     assert key(again) == key(GradeReport("solutions", [t for t in first.tests if t.lesson == 1 and not t.hidden]))
 

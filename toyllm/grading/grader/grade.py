@@ -157,7 +157,7 @@ def check(exercise: str, impl: str | os.PathLike | None = None) -> None:
     current implementation (``TOYLLM_IMPL``, default your ``exercises/``),
     so the notebook keeps running whatever your function does.
     """
-    report = grade(impl if impl is not None else current_impl(), only=exercise, keep_warm=True)
+    report = grade(impl if impl is not None else current_impl(), only=exercise, keep_warm=True, template=True)
     for t in report.tests:
         mark = "ok  " if t.status == "passed" else "FAIL"
         print(f"  {mark} {t.name.split(': ', 1)[-1]} ({format_points(t.max_score)} point(s))")
@@ -171,4 +171,4 @@ def prepare_check() -> None:
     second instead of waiting for Python and torch to start (about 4 s). A lesson calls it in its first
     cell; the process waits, idle, until a check claims it, and ends with the notebook's kernel.
     Nothing happens if one is already waiting."""
-    start_standby(DEFAULT_MEMORY_MB)
+    start_standby(DEFAULT_MEMORY_MB, template=True)

@@ -176,8 +176,9 @@ def close_standby(keep_template: bool = False) -> None:
         _template.end()
 
 
-def start_standby(memory_mb: int) -> None:
-    """Start the standby the next ``check()`` claims, unless one that fits is already waiting.
+def start_standby(memory_mb: int, template: bool = False) -> None:
+    """Start the standby the next ``check()`` claims, unless one that fits is already waiting; ``template``:
+    as a copy of this process's template (``Standby``).
 
     A lesson calls this (through ``prepare_check``) before its first check, so that check does not wait
     for a fresh Python to import torch and pytest and start a sandbox (about 4 s on the course's
@@ -187,7 +188,7 @@ def start_standby(memory_mb: int) -> None:
     if _standby is not None and _standby.fits(settings):
         return
     close_standby(keep_template=True)
-    _standby = Standby(settings)
+    _standby = Standby(settings, template)
 
 
 def run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env: str, timeout_s: float,

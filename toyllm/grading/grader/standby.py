@@ -30,6 +30,7 @@ import gc
 import json
 import os
 import sys
+import time
 from typing import BinaryIO, NoReturn
 
 NAME = "toyllm-lesson"        # what ps -o comm shows for a copy of the template (its command line is the template's)
@@ -59,8 +60,8 @@ def serve(requests: BinaryIO) -> NoReturn:
     sandbox.prestart()
     gc.freeze()                       # what is imported stays: pytest's garbage collections skip it
     line = requests.readline()
-    if not line:                          # nobody came: end quietly (the sandbox ends with this process)
-        sandbox.close()
+    if not line:                          # nobody came: end quietly
+        _end_children(sandbox)
         os._exit(0)
     request = json.loads(line)
     os.chdir(request["cwd"])
@@ -72,7 +73,24 @@ def serve(requests: BinaryIO) -> NoReturn:
     code = pytest.main(request["args"])
     sys.stdout.flush()
     sys.stderr.flush()
+    _end_children(sandbox)
     os._exit(int(code))
+
+
+def _end_children(sandbox) -> None:
+    """End this process's sandbox and zygote and wait for what they leave: a process that died below this one
+    and were left unwaited would be re-parented to the grading process (a child subreaper, as this process is
+    too) when this one exits, and stay there as a zombie for as long as it runs (a notebook's kernel)."""
+    sandbox.close()
+    sandbox.zygotes.end()
+    deadline = time.monotonic() + 1.0            # they were killed: they are gone at once
+    while time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:                 # no child left
+            return
+        if pid == 0:
+            time.sleep(0.002)
 
 
 def from_template() -> NoReturn:
