@@ -19,9 +19,18 @@ from collections import defaultdict
 import pytest
 
 LOCKS_ENV = "TOYLLM_TEST_LOCKS"      # the folder of the lock files, inherited by the workers
-# Roughly what a test costs (seconds on 2 cores), read from its markers; any other test: UNMARKED_S.
+# Roughly what a test costs (seconds on 2 cores), read from its markers; any other test: UNMARKED_S. A test that
+# takes far longer than its markers say carries ``@pytest.mark.takes(seconds)`` instead.
 COST_S = {"browser": 40.0, "slow": 5.0, "grader": 1.0, "engine": 0.5}
 UNMARKED_S = 0.02
+
+
+def cost_s(item) -> float:
+    """What ``item`` roughly costs, in seconds on the 2-core reference machine: its ``takes`` mark, else its markers'."""
+    takes = item.get_closest_marker("takes")
+    if takes is not None:
+        return float(takes.args[0])
+    return sum(s for name, s in COST_S.items() if item.get_closest_marker(name)) or UNMARKED_S
 
 
 def pytest_configure(config):
@@ -36,14 +45,15 @@ def costliest_files_first(config, items) -> None:
     """In a worker: order the files by their cost, the costliest first, keeping each file's own order.
 
     Each worker is handed whole files in this order (``--dist loadfile --no-loadscope-reorder``), so the
-    longest ones (the browser's lessons, the grader's) start at once instead of last, when the other process
-    would have nothing left to do beside them. Both workers collect alike, so both order alike.
+    longest ones (the browser's lessons, the grader's, the files of a minute-long compile or 8k-token prefill)
+    start at once instead of last, when the other process would have nothing left to do beside them. Both
+    workers collect alike, so both order alike.
     """
     if not hasattr(config, "workerinput"):
         return
     cost: dict = defaultdict(float)
     for item in items:
-        cost[item.path] += sum(s for name, s in COST_S.items() if item.get_closest_marker(name)) or UNMARKED_S
+        cost[item.path] += cost_s(item)
     items.sort(key=lambda item: -cost[item.path])                # stable: a file's tests keep their order
 
 

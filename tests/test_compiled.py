@@ -90,6 +90,7 @@ def test_converted_models_still_pickle_and_run_after_it(tiny_models):
 
 
 @pytest.mark.slow
+@pytest.mark.takes(70)
 def test_smollm2_int4_compiled_answers_as_eager():
     """The fastest way measured (docs/benchmarks.md): int4's compiled step keeps every greedy token of the chat answer."""
     model, tokenizer = load_model("smollm2-135m", attention="sdpa", weights="int4")

@@ -48,6 +48,7 @@ SHIFT = bytes((i + 1) % 256 for i in range(256))
 @pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.takes(35)
 def test_no_sandbox_holds_any_model_answer_whatever_exercise_it_serves(tmp_path, monkeypatch):
     """A sandbox serving an exercise of each lesson in turn; the scan finds no line of any model answer.
 

@@ -487,6 +487,7 @@ def _a_class(folder: Path) -> None:
 @pytest.mark.grader
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.takes(35)
 def test_a_class_is_graded_resumed_after_ctrl_c_and_the_hostile_one_changes_no_other_row(tmp_path):
     folder, book = tmp_path / "submissions", tmp_path / "grades.csv"
     _a_class(folder)

@@ -352,6 +352,7 @@ def test_smollm2_long_prompt_every_method_equals_one_process(smollm2, pools, ker
 @pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.takes(70)
 def test_smollm2_at_its_full_8k_context_with_the_causal_kernel(smollm2, pools):
     """SmolLM2's whole context, p = 2, KV-Runahead at a causal-aware split: logits (1e-4) and decoding as one process."""
     model, _ = smollm2

@@ -77,3 +77,29 @@ def test_a_test_marked_alone_meets_no_other(tmp_path, mark_alone):
         assert met == {"lone-0": [], "lone-1": []}, met
     else:
         assert any(met.values()), f"two processes, yet no test ran beside another: {spans}"
+
+
+class _Item:
+    """As much of a pytest item as the ordering reads: its file and its markers."""
+
+    def __init__(self, path: str, **marks):
+        self.path, self.marks = path, marks
+
+    def get_closest_marker(self, name):
+        if name not in self.marks:
+            return None
+        return pytest.mark.__getattr__(name)(*self.marks[name]).mark
+
+
+def test_the_costliest_files_are_handed_out_first_a_takes_mark_counting_over_the_others():
+    from side_by_side import UNMARKED_S, cost_s, costliest_files_first
+
+    compile_ = _Item("compiled.py", slow=(), takes=(70,))
+    assert cost_s(compile_) == 70 and cost_s(_Item("a.py", slow=(), engine=())) == 5.5
+    assert cost_s(_Item("a.py")) == UNMARKED_S
+    items = [_Item("small.py"), _Item("grader.py", grader=(), slow=()), _Item("small.py", engine=()), compile_,
+             _Item("compiled.py")]
+    config = type("Config", (), {"workerinput": {}})()
+    costliest_files_first(config, items)
+    assert [i.path for i in items] == ["compiled.py", "compiled.py", "grader.py", "small.py", "small.py"]
+    assert items[0] is compile_                          # a file's tests keep their order

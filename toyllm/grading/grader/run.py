@@ -210,6 +210,9 @@ def run_lesson(lesson: int, files: list[Path], extra_dir: Path | None, impl_env:
     cmd = [sys.executable, "-m", "pytest", *map(str, files), *([str(extra_dir)] if extra_dir else []),
            "-p", "pytest_timeout", "-p", "toyllm.grading.grader.plugin", "-p", "no:cacheprovider",
            f"--timeout={timeout_s:g}", "-q", "--no-header",
+           # A failure's message is the exception's own line (the plugin logs ``reprcrash.message``, the same in
+           # every style); pytest's own styles would parse each traceback entry's file for its statements first.
+           "--tb=native",
            "--import-mode=importlib", f"--rootdir={tmp}", "-c", os.devnull, "-o", "console_output_style=classic"]
     # The grader's own folder (tmp) is not listed: it is the grader's alone (mode 0700), and in a
     # namespace it lies under the sandbox's fresh /tmp anyway; so the settings stay the same from one
