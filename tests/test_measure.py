@@ -25,7 +25,7 @@ def test_too_few_rounds_say_undecided_whatever_the_runs_show():
     for n in range(1, 5):                      # every run of one 10x below every run of the other
         v = compare([0.1 + 0.001 * i for i in range(n)], [1.0 + 0.001 * i for i in range(n)])
         assert v.word == "undecided" and not v.decided
-        assert f"undecided ({n} rounds; a verdict needs 5)" in v.sentence("a", "b")
+        assert f"undecided ({n} round{'s' * (n > 1)}; a verdict needs 5)" in v.sentence("a", "b")   # "1 round"
     assert compare([0.1], [0.9, 1.0, 1.1, 1.2, 1.3, 1.4]).word == "undecided"
     assert "4 and 5 runs; a verdict needs 5" in compare([0.1] * 4, [0.9] * 5).than
 

@@ -210,7 +210,7 @@ def test_a_sentence_whose_words_its_numbers_do_not_support_is_caught():
     assert verdict_problems(compare(FAST, BASE).sentence("KVR", "TSP").split(": ")[0] +
                             ": undecided (5 rounds; a verdict needs 5)")
     one = compare([0.4], [0.5]).sentence("KVR", "TSP")
-    assert verdict_problems(one.split(": ")[0] + ": KVR is 1.25x faster (1 rounds, p = 1)")
+    assert verdict_problems(one.split(": ")[0] + ": KVR is 1.25x faster (1 round, p = 1)")
 
 
 def test_the_short_words_tables_and_summaries_print_are_read_too():

@@ -48,11 +48,11 @@ SPREAD = (rf"(?P<{{p}}med>{_NUMBER}) (?P<{{p}}mu>ms|s) (?:\[(?P<{{p}}lo>{_NUMBER
 SENTENCE = re.compile(SPREAD.format(p="a") + r" vs [^\n]*?" + SPREAD.format(p="b") +
                       r": (?P<rest>[^\n]*)")
 # "(5 rounds, p = 0.0079)", "(4 and 7 runs, p = 0.012)", "(4 rounds; a verdict needs 5)"
-ROUNDS = re.compile(r"(?P<n>\d+)(?: and (?P<m>\d+))? (?:rounds|runs)(?:, p = (?P<p>[0-9.e-]+)|; a verdict needs)")
+ROUNDS = re.compile(r"(?P<n>\d+)(?: and (?P<m>\d+))? (?:rounds?|runs)(?:, p = (?P<p>[0-9.e-]+)|; a verdict needs)")
 # "as fast (1.05x, inside the noise of the runs, p = 0.84) as" and "not comparable (2.07x from 3 rounds; a verdict
 # needs 5) with" (or "from 3 and 7 runs"): Verdict.than for a tie and for undecided
 AS_FAST = re.compile(r"as fast \((?P<ratio>[0-9.]+)x, inside the noise of the runs, p = (?P<p>[0-9.e-]+)\) as")
-NOT_COMPARABLE = re.compile(r"not comparable \([0-9.]+x from (?P<n>\d+)(?: and (?P<m>\d+))? (?:rounds|runs); "
+NOT_COMPARABLE = re.compile(r"not comparable \([0-9.]+x from (?P<n>\d+)(?: and (?P<m>\d+))? (?:rounds?|runs); "
                             r"a verdict needs \d+\) with")
 ALPHA = 0.01
 

@@ -170,9 +170,9 @@ class Verdict:
 
     @property
     def _rounds(self) -> str:
-        """ "5 rounds" or, sides unequal, "3 and 7 runs". """
+        """ "5 rounds" ("1 round") or, sides unequal, "3 and 7 runs". """
         n, m = len(self.ours.runs), len(self.base.runs)
-        return f"{n} rounds" if n == m else f"{n} and {m} runs"
+        return (f"{n} round" + "s" * (n != 1)) if n == m else f"{n} and {m} runs"
 
     @property
     def _undecided(self) -> str:
@@ -447,9 +447,10 @@ class PrefillComparison:
         """What the lessons print after the machine's line: the baseline and why, then every
         configuration's runs with its verdict against the baseline."""
         width = max(map(len, self.runs))
+        n = len(next(iter(self.runs.values())).runs)
         out = [f"baseline: {self.why}",
                f"{self.context} tokens, TTFT of each configuration, median [fastest-slowest run] of "
-               f"{len(next(iter(self.runs.values())).runs)} interleaved runs:"]
+               f"{n} interleaved run{'s' * (n != 1)}:"]
         for name, s in self.runs.items():
             verdict = "the baseline" if name == self.baseline else f"{self.verdict(name).than} the baseline"
             out.append(f"  {name:<{width}}  {str(s):<26}  {verdict}")
