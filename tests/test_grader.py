@@ -1817,6 +1817,21 @@ def _seed_note() -> str:
     return f"drawn with TOYLLM_GRADE_SEED={seed}"
 
 
+def test_the_engines_limit_in_graded_tests_is_a_setting_and_a_bad_one_a_clear_error(monkeypatch):
+    from toyllm.grading.settings import Settings
+
+    limit = _graded_conftest().engine_limit_s
+    name = Settings.variable("engine_limit")
+    monkeypatch.delenv(name, raising=False)
+    assert limit() == 10
+    monkeypatch.setenv(name, "2.5")
+    assert limit() == 2.5
+    for bad in ("0", "-3", "nan", "inf", "ten seconds", ""):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=f"{name} must be a number of seconds above 0, got {bad!r}"):
+            limit()
+
+
 def test_a_mistake_in_one_exercise_costs_no_other_exercise(tmp_path):
     """3.5 calls 3.3's min_step_time_s: while 3.5 is graded, 3.3 is the model answer."""
     impl = _variant(tmp_path, "3.3", "(batch * kv_bytes_per_seq + param_bytes) / hbm_bandwidth_bytes_per_s\n    # END",

@@ -61,7 +61,7 @@ def serve(requests: BinaryIO) -> NoReturn:
     gc.freeze()                       # what is imported stays: pytest's garbage collections skip it
     line = requests.readline()
     if not line:                          # nobody came: end quietly
-        _end_children(sandbox)
+        _end_children()
         os._exit(0)
     request = json.loads(line)
     os.chdir(request["cwd"])
@@ -73,14 +73,16 @@ def serve(requests: BinaryIO) -> NoReturn:
     code = pytest.main(request["args"])
     sys.stdout.flush()
     sys.stderr.flush()
-    _end_children(sandbox)
+    _end_children()
     os._exit(int(code))
 
 
-def _end_children(sandbox) -> None:
-    """End this process's sandbox and zygote and wait for what they leave: a process that died below this one
-    and were left unwaited would be re-parented to the grading process (a child subreaper, as this process is
-    too) when this one exits, and stay there as a zombie for as long as it runs (a notebook's kernel)."""
+def _end_children() -> None:
+    """End this process's sandbox and zygote and wait for what they leave: what died below this process
+    unwaited would be re-parented to the grading process (a child subreaper, as this one is too) when this one
+    exits, and stay there as a zombie for as long as that runs (a notebook's kernel)."""
+    from ..sandbox import process as sandbox
+
     sandbox.close()
     sandbox.zygotes.end()
     deadline = time.monotonic() + 1.0            # they were killed: they are gone at once
