@@ -94,6 +94,11 @@ copy.querySelectorAll('.widget-slider').forEach(s => s.remove());
 return copy.textContent + Array.from(copy.querySelectorAll('img')).map(i => i.src).join('');
 """
 
+# Whether every image inside a widget has finished loading and decoding (a redrawn figure is a new <img>).
+IMAGES_DECODED_JS = """
+return Array.from(arguments[0].querySelectorAll('img')).every(i => i.complete && i.naturalWidth > 0);
+"""
+
 
 # --------------------------------------------------------------------------- the check
 
@@ -170,7 +175,7 @@ def run_all_cells(driver, name: str) -> list[dict]:
         prompts = driver.execute_script(PROMPTS_JS)
         return any(re.search(r"\d|\*", p) for p in prompts) and not any("*" in p for p in prompts)
 
-    wait_for(f"Run All Cells of {name} to finish", finished, RUN_TIMEOUT_S, poll_s=2.0)
+    wait_for(f"Run All Cells of {name} to finish", finished, RUN_TIMEOUT_S)
 
     def settled():
         cells = driver.execute_script(READ_PAGE_JS)
@@ -219,7 +224,8 @@ def move_first_slider(driver, name: str) -> None:
              lambda: slider.find_element(By.CSS_SELECTOR, ".widget-readout").text != readout, 10)
     wait_for(f"{name}: the widget to show new numbers or a new figure after its slider moved",
              lambda: driver.execute_script(WIDGET_FACE_JS, widget) != face, SLIDER_TIMEOUT_S)
-    time.sleep(1)   # let the new figure finish decoding before the picture
+    wait_for(f"{name}: the widget's new figure to be decoded", lambda: driver.execute_script(IMAGES_DECODED_JS, widget),
+             SETTLE_TIMEOUT_S)   # before the picture
     widget.screenshot(str(SCREENSHOTS / f"{stem}_widget_moved.png"))
 
 
