@@ -18,7 +18,8 @@ from toyllm.generation import random_prompt
 from toyllm.parallel import LinkModel, ModelSpec, measure_link, parallel_prefill, single_prefill
 from toyllm.parallel.link import fit_link
 from toyllm.simulate import CostModel
-from workers_for_tests import FirstLayers, failing_step, raise_on_rank, rank_info
+from first_layers import FirstLayers
+from workers_for_tests import failing_step, raise_on_rank, rank_info
 
 ATOL = 1e-4
 CONTEXT = 37

@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_launch.py (and a model spec the engine's tests hand to their workers).
+"""Worker functions for tests/test_launch.py.
 
 They live in their own module because spawned processes find a worker
 function by importing its module; the test module itself would do too, but a
@@ -9,18 +9,13 @@ each rank all-reduces rank + 1 and prints the sum.
 """
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-from toyllm import load_model
-from toyllm.parallel import ModelSpec
 
 
 def rank_info(ctx) -> tuple:
@@ -99,35 +94,6 @@ def asks_for_exercise(ctx, numbers: list[str], fail: bool = False):
     if fail:
         raise RuntimeError(f"rank {ctx.rank} fails after asking for {numbers[ctx.rank]}")
     return ctx.rank
-
-
-@dataclass(frozen=True)
-class FirstLayers(ModelSpec):
-    """A pretrained preset cut to its first ``layers`` blocks: its real weights, a shallower stack.
-
-    Every block runs the same code, so a check of what depends on the context's length (positions up to the
-    last one, the chunk boundaries, the kernel over long spans) holds for the whole stack when it holds for a
-    few blocks, at a fraction of the work. Workers rebuild it by unpickling this class, hence its place here.
-    """
-
-    layers: int = 4
-
-    @property
-    def config(self):
-        return super().config.with_(n_layers=self.layers)
-
-    def build(self):
-        return _first_layers(self)
-
-
-@functools.lru_cache(maxsize=2)
-def _first_layers(spec: FirstLayers):
-    model = load_model(spec.name, attention=spec.attention, seed=spec.seed)[0]    # a model of its own to cut
-    if spec.layers > len(model.layers):
-        raise ValueError(f"{spec.name} has {len(model.layers)} layers, not {spec.layers}")
-    model.layers = torch.nn.ModuleList(model.layers[:spec.layers])
-    model.config = spec.config
-    return model
 
 
 def main() -> None:

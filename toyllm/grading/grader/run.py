@@ -122,6 +122,8 @@ class Standby:
     (``standby.from_template``), else a fresh Python.
     """
 
+    END_S = 3.0      # seconds an unclaimed standby gets to end by itself (a copy takes milliseconds), then a kill
+
     def __init__(self, settings: dict[str, str], template: bool = False):
         self.settings = settings
         self.home = Path(tempfile.mkdtemp(prefix="toyllm-standby-"))
@@ -151,6 +153,15 @@ class Standby:
         return self.proc
 
     def close(self) -> None:
+        if self.proc.poll() is None and self.proc.stdin and not self.proc.stdin.closed:
+            # Unclaimed: the end of its input tells it nobody comes, and it ends its sandbox and zygote and waits
+            # for them (``standby.serve``). Killed, it would leave them to this process, where they stay as zombies
+            # once this process is a child subreaper (a kernel whose checks copy the template).
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=self.END_S)
+            except subprocess.TimeoutExpired:
+                pass
         if self.proc.poll() is None:
             _kill_group(self.proc)
         if self.proc.stdin and not self.proc.stdin.closed:
