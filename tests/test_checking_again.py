@@ -95,7 +95,8 @@ def _zombies() -> set[int]:
 def test_checks_grade_in_copies_of_a_template_and_leave_no_zombie(tmp_path, capsys):
     """On Linux a kernel's checks are copies of one process that imported torch once (the grading's template),
     not fresh Pythons; the kernel becomes a child subreaper for them, so whatever dies below a check must have
-    been waited for before it comes back to the kernel, which would never wait for it."""
+    been waited for before it comes back to the kernel, which would never wait for it: below a check that ran,
+    and below a standby ended unclaimed."""
     sub = _write(tmp_path, wrong=False)
     before = _zombies()
     try:
@@ -104,6 +105,8 @@ def test_checks_grade_in_copies_of_a_template_and_leave_no_zombie(tmp_path, caps
         for _ in range(3):
             check("3.1", impl=sub)
             assert capsys.readouterr().out.endswith("Exercise 3.1: 2 / 2 points\n")
+        assert _standby_pid() is not None, "each check leaves a standby for the next"
+        grading_run.close_standby(keep_template=True)      # ended unclaimed, as a kernel's other settings would
         time.sleep(1.0)                                    # what was ending has ended
         assert _zombies() - before == set()
     finally:
