@@ -1,6 +1,6 @@
 """The student edition's graded tests compare with stored values, never with a function that answers the exercise.
 
-One edition is built for this module (the build records the values). Its
+The run's one edition is read here (the build records the values; ``built_once``). Its
 graded tests of lessons 02, 05 and 08 then run in a subprocess with the
 edition's ``toyllm`` first on the path: with the model answers copied in
 they pass, on the stubs they skip with the exercise's name, and a case the
@@ -20,8 +20,10 @@ import pytest
 import torch
 
 from toyllm import build_model
-from toyllm.grading import edition, references
+from toyllm.grading import references
 from toyllm.grading.settings import Settings
+
+from test_student_edition import built_once
 
 ROOT = Path(__file__).resolve().parent.parent
 GRADED = ["tests/grading/test_ex02_kv_cache.py", "tests/grading/test_ex05_kv_runahead.py",
@@ -47,9 +49,7 @@ def _in_edition(folder: Path, *args, seed: str | None = None) -> subprocess.Comp
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    out = tmp_path_factory.mktemp("stored") / "toyllm-student"
-    edition.build(out, root=ROOT)
-    return out
+    return built_once(tmp_path_factory)                       # the edition tests/test_student_edition.py reads
 
 
 @pytest.fixture(scope="module")

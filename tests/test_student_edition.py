@@ -1,6 +1,6 @@
 """The student edition: built by one command, free of answers, and the framework runs the student's code.
 
-One edition is built per test session (``make student`` does the same). Its
+One edition is built per test run (``make student`` does the same; ``built_once``). Its
 own tests run in a subprocess with the edition's ``toyllm`` first on the
 path: once on the untouched stubs (tests that need an exercise are skipped
 with its name), once with the model answers copied in (everything runs).
@@ -336,11 +336,29 @@ def test_the_library_mark_fails_a_file_whose_tests_reach_an_exercise(pytester):
     result.stderr.fnmatch_lines(["*is marked library on its own: mark the whole file*"])
 
 
+def built_once(tmp_path_factory) -> Path:
+    """This checkout's student edition (``make student``'s idea hints), built once per test run and only read.
+
+    ``tests/test_stored_expected.py`` reads it too; under ``make test``'s two test processes the one that
+    asks first builds it in the run's shared temporary folder, and the other waits for it.
+    """
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):                 # each process's folder sits in the run's own
+        base = base.parent
+    out = base / "student-edition" / "toyllm-student"
+    with FileLock(str(base / "student-edition.lock"), timeout=600):
+        if not (out.parent / "built").exists():
+            shutil.rmtree(out.parent, ignore_errors=True)     # what a build that failed left
+            edition.build(out, hints="idea", root=ROOT)
+            (out.parent / "built").touch()
+    return out
+
+
 @pytest.fixture(scope="module")
 def student_edition(tmp_path_factory):
-    out = tmp_path_factory.mktemp("edition") / "toyllm-student"
-    edition.build(out, hints="idea", root=ROOT)
-    return out
+    return built_once(tmp_path_factory)
 
 
 def test_the_searches_stand_ins_give_the_librarys_results():
