@@ -122,7 +122,7 @@ class Standby:
     (``standby.from_template``), else a fresh Python.
     """
 
-    END_S = 3.0      # seconds an unclaimed standby gets to end by itself (a copy takes milliseconds), then a kill
+    END_S = 3.0      # seconds an unclaimed copy gets to end by itself (it takes milliseconds), then a kill
 
     def __init__(self, settings: dict[str, str], template: bool = False):
         self.settings = settings
@@ -135,6 +135,7 @@ class Standby:
             if template and become_subreaper() else None
         self.proc = zygote and zygote.launch_module("toyllm.grading.grader.standby", ["--from-template"], env,
                                                     self.home)
+        self.copy = self.proc is not None                 # a copy of the template, not a fresh Python
         if zygote is not None and self.proc is None:
             _template.end(failed=True)
         if self.proc is None:
@@ -153,10 +154,11 @@ class Standby:
         return self.proc
 
     def close(self) -> None:
-        if self.proc.poll() is None and self.proc.stdin and not self.proc.stdin.closed:
-            # Unclaimed: the end of its input tells it nobody comes, and it ends its sandbox and zygote and waits
-            # for them (``standby.serve``). Killed, it would leave them to this process, where they stay as zombies
-            # once this process is a child subreaper (a kernel whose checks copy the template).
+        if self.copy and self.proc.poll() is None and self.proc.stdin and not self.proc.stdin.closed:
+            # An unclaimed copy: the end of its input tells it nobody comes, and it ends its sandbox and zygote and
+            # waits for them (``standby.serve``). Killed, it would leave them to this process, a child subreaper,
+            # where they would stay as zombies (in a kernel whose checks copy the template). A fresh Python (the
+            # template's fallback) may still be importing torch for seconds: it is killed at once, as before.
             self.proc.stdin.close()
             try:
                 self.proc.wait(timeout=self.END_S)
