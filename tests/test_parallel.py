@@ -353,16 +353,15 @@ def test_smollm2_long_prompt_every_method_equals_one_process(smollm2, pools, ker
 @pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_smollm2_at_its_full_8k_context_with_the_causal_kernel(smollm2, pools):
+def test_smollm2_at_its_full_8k_context_with_the_causal_kernel(smollm2_gguf, pools):
     """SmolLM2's whole context, p = 2, KV-Runahead at a causal-aware split: logits (1e-4) and decoding as one process.
 
     Its first 4 blocks of 30, real weights: what the length puts at stake (positions up to the last of the 8192,
     the second rank's chunk starting at 5730, the causal kernel over spans of thousands, decoding up to
     max_context) is the same in every block, and the whole stack is checked at 1024 tokens above.
     """
-    model, _ = smollm2
-    spec = FirstLayers("smollm2-135m", attention="causal", layers=4)
-    ids = random_prompt(8192 - 4, model.config.vocab_size, seed=12)
+    spec = FirstLayers("smollm2-135m", attention="causal", layers=4)    # the whole model is not loaded here
+    ids = random_prompt(8192 - 4, spec.config.vocab_size, seed=12)
     ref_logits, ref_cache = single_prefill(spec.build(), ids)
     assert len(spec.build().layers) == ref_cache.n_layers == 4 and spec.config.max_context == 8192
     expected = generate(spec.build(), ids, 4, cache=ref_cache, prefilled_logits=ref_logits).output_ids
