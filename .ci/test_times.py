@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import sys
 import xml.etree.ElementTree as ET
 from collections import defaultdict
@@ -106,4 +107,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:          # the reader stopped early (`| head`): what it read is all it wanted
+        # Python's own advice: point stdout at /dev/null, so the flush at exit cannot fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
