@@ -3,7 +3,7 @@
     .venv/bin/python -m pytest tests --junitxml=build/tests.xml ...
     .venv/bin/python .ci/test_times.py build/tests.xml [--top 25]
 
-Prints two Markdown tables (docs/testing.md, "Where the time goes"): seconds by
+Prints two Markdown tables (docs/testing.md, "How long it takes, and where the time goes"): seconds by
 cause and by file, each test's setup, call and teardown together. The cause of
 a test is read from its markers and fixtures, collected again here (the report
 has neither), the first that applies in this order: the browser, a notebook in
