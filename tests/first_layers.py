@@ -28,11 +28,16 @@ class FirstLayers(ModelSpec):
         return _first_layers(self)
 
 
+def first_blocks(model, layers: int):
+    """``model`` itself, cut to the first ``layers`` blocks of its stack (its config says so too)."""
+    if layers > len(model.layers):
+        raise ValueError(f"the model has {len(model.layers)} layers, not {layers}")
+    model.layers = torch.nn.ModuleList(model.layers[:layers])
+    model.config = model.config.with_(n_layers=layers)
+    return model
+
+
 @functools.lru_cache(maxsize=2)
 def _first_layers(spec: FirstLayers):
     model = load_model(spec.name, attention=spec.attention, seed=spec.seed)[0]    # a model of its own to cut
-    if spec.layers > len(model.layers):
-        raise ValueError(f"{spec.name} has {len(model.layers)} layers, not {spec.layers}")
-    model.layers = torch.nn.ModuleList(model.layers[:spec.layers])
-    model.config = spec.config
-    return model
+    return first_blocks(model, spec.layers)
