@@ -38,23 +38,31 @@ atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 CHECK_ENV = "TOYLLM_CHECK"
 _SLICES = "slow, engine, grader, notebook, browser or gpu"
-
-
-def _refused(*args, **kwargs):
-    raise RuntimeError(f"make check starts no process: mark this test {_SLICES} (pyproject.toml's markers)")
+_REFUSAL = f"make check starts no process: mark this test {_SLICES} (pyproject.toml's markers)"
 
 
 @pytest.fixture(autouse=True)
 def _no_process_in_the_fast_tier(monkeypatch):
-    """Under ``make check``: a test that starts a process (subprocess, multiprocessing, fork) fails at once."""
-    if os.environ.get(CHECK_ENV) == "1":
-        import multiprocessing.process
-        import subprocess
+    """Under ``make check``: a test that starts a process (subprocess, multiprocessing, fork) fails at once, and
+    fails at its end if it caught the refusal and went on (it would pass there without testing anything)."""
+    if os.environ.get(CHECK_ENV) != "1":
+        yield
+        return
+    import multiprocessing.process
+    import subprocess
 
-        monkeypatch.setattr(subprocess.Popen, "__init__", _refused)
-        monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refused)
-        monkeypatch.setattr(os, "fork", _refused)
+    tried = []
+
+    def refused(*args, **kwargs):
+        tried.append(True)
+        raise RuntimeError(_REFUSAL)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refused)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refused)
+    monkeypatch.setattr(os, "fork", refused)
     yield
+    if tried:
+        pytest.fail(f"this test tried to start a process and went on past the refusal; {_REFUSAL}", pytrace=False)
 
 
 @pytest.hookimpl(trylast=True)                    # after tests/browser's, which puts the browser last

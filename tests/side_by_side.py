@@ -2,10 +2,18 @@
 
 A test marked ``alone`` compares what exists on the whole machine before and after it: the processes, the
 scratch folders in /tmp, the user ids in use. Another test running beside it would show up there, so while it
-runs (its fixtures' setup and teardown included) no other test does. The worker processes share a
+runs (its fixtures' setup and teardown included) no other test does, except the tests of ``make check``'s tier
+(no marker of ``HEAVY``): those start no process (``make check`` fails any that tries) and write only under
+pytest's own temporary folder, so they leave nothing an ``alone`` test looks at. The worker processes share a
 readers-writer lock: two files in a folder that the process that starts them makes (``pytest_configure``).
+
+Waiting costs a core: while an ``alone`` test waits for the other process's test to end, and while it runs,
+the other process can only run the light tests. So the ``alone`` tests sit together in one file, which keeps
+the lock from one to the next, and that file is handed out first, with the light files after it
+(``costliest_files_first``).
+
 ``tests/conftest.py`` installs the hooks; ``tests/test_side_by_side.py`` shows that an ``alone`` test meets no
-other.
+other but a light one.
 """
 from __future__ import annotations
 
@@ -23,6 +31,18 @@ LOCKS_ENV = "TOYLLM_TEST_LOCKS"      # the folder of the lock files, inherited b
 # takes far longer than its markers say carries ``@pytest.mark.takes(seconds)`` instead.
 COST_S = {"browser": 40.0, "slow": 5.0, "grader": 1.0, "engine": 0.5}
 UNMARKED_S = 0.02
+# The markers that take a test out of ``make check``'s tier (the Makefile's FAST_TIER leaves out each of them):
+# a test with none of them is light, and may run beside an ``alone`` one.
+HEAVY = ("slow", "engine", "grader", "notebook", "browser", "gpu")
+
+
+def light(item) -> bool:
+    """A test of ``make check``'s tier: none of the ``HEAVY`` markers, and not ``alone``."""
+    return not any(item.get_closest_marker(name) for name in (*HEAVY, "alone"))
+
+
+def alone(item) -> bool:
+    return item is not None and item.get_closest_marker("alone") is not None
 
 
 def cost_s(item) -> float:
@@ -42,19 +62,26 @@ def pytest_configure(config):
 
 
 def costliest_files_first(config, items) -> None:
-    """In a worker: order the files by their cost, the costliest first, keeping each file's own order.
+    """In a worker: order the files by their cost, the costliest first, keeping each file's own order; but the
+    files holding ``alone`` tests first of all, and the files of light tests only right after them.
 
-    Each worker is handed whole files in this order (``--dist loadfile --no-loadscope-reorder``), so the
-    longest ones (the browser's lessons, the grader's, the files of a minute-long compile or 8k-token prefill)
-    start at once instead of last, when the other process would have nothing left to do beside them. Both
-    workers collect alike, so both order alike.
+    Each worker is handed whole files in this order (``--dist loadfile --no-loadscope-reorder``): one process
+    starts with the ``alone`` tests while the other runs the light files, the only ones that may run beside
+    them; then the longest ones (the browser's lessons, the grader's, the files of a long compile or 8k-token
+    prefill) start at once instead of last, when the other process would have nothing left to do beside them.
+    Both workers collect alike, so both order alike.
     """
     if not hasattr(config, "workerinput"):
         return
     cost: dict = defaultdict(float)
+    has_alone: dict = defaultdict(bool)
+    all_light: dict = defaultdict(lambda: True)
     for item in items:
         cost[item.path] += cost_s(item)
-    items.sort(key=lambda item: -cost[item.path])                # stable: a file's tests keep their order
+        has_alone[item.path] |= alone(item)
+        all_light[item.path] &= light(item)
+    # stable: a file's tests keep their order
+    items.sort(key=lambda item: (not has_alone[item.path], not all_light[item.path], -cost[item.path]))
 
 
 @contextlib.contextmanager
@@ -88,16 +115,31 @@ def room(folder: str, alone: bool):
         yield
 
 
+_held: contextlib.ExitStack | None = None   # the room, kept by an ``alone`` test for the next one that is alone too
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Under pytest-xdist, in a worker: a test marked ``alone`` runs with no other beside it.
+    """Under pytest-xdist, in a worker: a test marked ``alone`` runs with no other beside it but light ones.
 
     Only in the workers themselves (``workerinput``): the pytest processes the grader starts inherit the
     environment and load the same conftest, and must not wait for a lock their own test holds.
     """
+    global _held
     folder = os.environ.get(LOCKS_ENV)
-    if folder is None or not hasattr(item.config, "workerinput") or os.name != "posix":
+    if folder is None or not hasattr(item.config, "workerinput") or os.name != "posix" or light(item):
         yield
         return
-    with room(folder, alone=item.get_closest_marker("alone") is not None):
+    if not alone(item):
+        with room(folder, alone=False):
+            yield
+        return
+    if _held is None:
+        _held = contextlib.ExitStack()
+        _held.enter_context(room(folder, alone=True))
+    try:
         yield
+    finally:
+        if not alone(nextitem):                  # this worker's next test is not alone: let the others in
+            _held.close()
+            _held = None

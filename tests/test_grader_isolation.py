@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from test_grader import ROOT, make_submission
 from toyllm.grading import grade
 from toyllm.grading.sandbox.launcher import ID_RANGE, namespaces_work, unused_id, writable_folders
 from toyllm.grading.sandbox.process import sandbox_user
+from toyllm.grading.sandbox.server import NAME as SANDBOX_NAME
 
 # The whole file looks at the whole machine (user ids and processes in use, what is left in /tmp and /dev/shm),
 # and one test holds hundreds of processes: no other test runs beside it.
@@ -210,3 +212,115 @@ def test_a_grading_that_holds_every_process_it_may_does_not_starve_another(tmp_p
     while _named("toyllm-starve") and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _named("toyllm-starve")
+
+
+# --------------------------------------------------------------------------- what a grading leaves behind
+
+CONTAINED = pytest.mark.skipif(sandbox_user() is None or not namespaces_work(),
+                               reason="processes and temporary files are contained only when the grader runs as "
+                                      "root on a kernel that allows PID and mount namespaces")
+
+
+def _escaped(watch_s: float = 2.0) -> list[str]:
+    """Command lines of the ``escaping`` fixture's processes seen anywhere on the machine within ``watch_s``.
+
+    Each generation lives about 10 ms, so one look at the process table can miss them all: keep looking.
+    """
+    import psutil
+
+    seen: list[str] = []
+    deadline = time.monotonic() + watch_s
+    while not seen and time.monotonic() < deadline:
+        seen = [" ".join(p.info["cmdline"]) for p in psutil.process_iter(["cmdline"])
+                if "toyllm-escape-marker" in (p.info["cmdline"] or [])]
+    return seen
+
+
+def _left_behind() -> list[str]:
+    """Files the ``escaping`` fixture wrote that outlived its sandbox, and sandbox scratch folders."""
+    found = []
+    for folder in ("/tmp", "/var/tmp", "/dev/shm", tempfile.gettempdir()):
+        found += [str(p) for p in Path(folder).glob("toyllm-escape-marker*")]
+    return sorted(set(found))
+
+
+def _scratch_folders() -> set[str]:
+    return {str(p) for p in Path(tempfile.gettempdir()).glob("toyllm-sandbox-*")} | \
+        {str(p) for p in Path(tempfile.gettempdir()).glob("toyllm-grade-*")}
+
+
+@CONTAINED
+@pytest.mark.grader
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_process_that_keeps_reforking_dies_with_its_sandbox_and_temporary_files_vanish(tmp_path):
+    """The submission starts a process that forks a new generation every 10 ms in a new session, and fills
+    /tmp, /var/tmp and /dev/shm: nothing of it is left once grading is over, and each folder took only
+    what its size limit allows."""
+    scratch_before, files_before = _scratch_folders(), set(_left_behind())     # an older run's, not this one's
+    submission = make_submission(tmp_path / "sub", "escaping")
+    report = grade(submission, only="3.1")
+    assert report.by_exercise()["3.1"][0] == 0
+    filled = dict(re.findall(r"(/[\w/]+)=(\d+)MiB", next(t.output for t in report.tests if "fill-report" in t.output)))
+    assert set(filled) == {"/tmp", "/var/tmp", "/dev/shm"}, filled
+    assert all(int(mib) <= 256 for mib in filled.values()), filled        # the private folders' size limit
+    time.sleep(1)
+    assert not _escaped()
+    assert not set(_left_behind()) - files_before
+    assert _scratch_folders() <= scratch_before
+    again = grade("solutions", only="3.1")                                   # the next student is untouched
+    assert again.by_exercise()["3.1"] == (2, 2)
+
+
+def _serving(grader: subprocess.Popen) -> bool:
+    """Has a sandbox of this grading started serving? (``server.serve`` names its process ``NAME``.)"""
+    import psutil
+
+    for p in psutil.Process(grader.pid).children(recursive=True):
+        try:
+            if p.name() == SANDBOX_NAME:
+                return True
+        except psutil.Error:                        # gone, or a zombie, meanwhile
+            pass
+    return False
+
+
+@pytest.mark.grader
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fixture", ["hanging", "escaping"])
+def test_sigterm_to_the_grader_ends_every_process_it_started(tmp_path, fixture):
+    """SIGTERM while a submission's call hangs: the grader, its test process, the sandbox and whatever the
+    submission started (``escaping`` keeps re-forking in new sessions) are gone, and so are the scratch
+    folders."""
+    import psutil
+
+    if fixture == "escaping" and (sandbox_user() is None or not namespaces_work()):
+        pytest.skip("a re-forking process is contained only as root with PID namespaces")
+    scratch_before = _scratch_folders()
+    submission = make_submission(tmp_path / "sub", fixture)
+    proc = subprocess.Popen([sys.executable, "-m", "toyllm", "grade", "--impl", str(submission), "--only", "3.2",
+                             "--timeout", "60"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        started = []
+        while time.monotonic() < deadline:          # wait until the sandbox serves (then runs the hanging call)
+            if _serving(proc):
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("the grader never started its sandbox within 60 s")
+        time.sleep(3)
+        started = psutil.Process(proc.pid).children(recursive=True)
+        assert len(started) >= 2, "expected the pytest process and the sandbox"
+        if fixture == "escaping":
+            assert _escaped(), "the re-forking process never started"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        gone, alive = psutil.wait_procs(started, timeout=10)
+        assert not alive, [p.cmdline() for p in alive]
+        time.sleep(1)
+        assert not _escaped()
+        assert _scratch_folders() <= scratch_before
+    finally:
+        proc.kill()
