@@ -1,5 +1,6 @@
 """requirements.lock: one lock for every platform and Python the course supports, every direct requirement locked,
 and the venv holds exactly the locked versions of this platform and Python (the lock's markers evaluated)."""
+import http.client
 import json
 import re
 import subprocess
@@ -8,7 +9,6 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -16,7 +16,8 @@ from packaging import tags
 from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
-from packaging.utils import parse_wheel_filename
+from packaging.utils import canonicalize_name, parse_wheel_filename
+from packaging.version import InvalidVersion, Version
 
 # The library alone: no exercise runs here (tests/conftest.py checks it), so the student edition leaves it out.
 pytestmark = pytest.mark.library
@@ -180,16 +181,58 @@ def _get(url: str) -> bytes:
         return response.read()
 
 
-def _wheels(name: str, version: str) -> list[str]:
-    """The wheel files PyPI has for name==version (PyPI's JSON API: the release's page, or where a mirror serves
-    only the project's page, that page's entry for the release)."""
+class _Index:
+    """PyPI's index (PEP 691's JSON form, which every mirror of PyPI serves too), read over one kept-alive connection:
+    a new HTTPS connection for each of ~140 projects costs most of the time."""
+
+    HOST = "pypi.org"
+
+    def __init__(self):
+        self.connection = None
+
+    def _connect(self) -> http.client.HTTPSConnection:
+        proxy = urllib.parse.urlsplit(urllib.request.getproxies().get("https", ""))
+        if proxy.hostname and not urllib.request.proxy_bypass(self.HOST):
+            connection = http.client.HTTPSConnection(proxy.hostname, proxy.port or 443, timeout=20)
+            connection.set_tunnel(self.HOST)
+            return connection
+        return http.client.HTTPSConnection(self.HOST, timeout=20)
+
+    def project(self, name: str) -> dict:
+        path = f"/simple/{canonicalize_name(name)}/"
+        for attempt in (1, 2):                          # once more on a fresh connection if the server closed it
+            self.connection = self.connection or self._connect()
+            try:
+                self.connection.request("GET", path, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+                response = self.connection.getresponse()
+                body = response.read()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                self.connection.close()
+                self.connection = None
+                if attempt == 2:
+                    raise
+                continue
+            if response.status != 200:
+                raise urllib.error.HTTPError(f"https://{self.HOST}{path}", response.status, response.reason,
+                                             response.headers, None)
+            return json.loads(body)
+        raise AssertionError("unreachable")
+
+    def wheels(self, name: str, version: str) -> list[str]:
+        """The wheel files of name==version, kept by the version their names give."""
+        wheels = [f["filename"] for f in self.project(name)["files"] if f["filename"].endswith(".whl")]
+        # A wheel's name is {name}-{version}-...; wheels name their version as the lock does (normalized).
+        # Parsing the version of each of numpy's thousands of files takes seconds, so only when no name matches
+        # as text.
+        return [f for f in wheels if f.split("-")[1] == version] or [
+            f for f in wheels if _same_version(f.split("-")[1], version)]
+
+
+def _same_version(a: str, b: str) -> bool:
     try:
-        files = json.loads(_get(f"https://pypi.org/pypi/{name}/{version}/json"))["urls"]
-    except urllib.error.HTTPError as e:
-        if e.code != 404:
-            raise
-        files = json.loads(_get(f"https://pypi.org/pypi/{name}/json"))["releases"].get(version, [])
-    return [f["filename"] for f in files if f["filename"].endswith(".whl")]
+        return Version(a) == Version(b)
+    except InvalidVersion:
+        return False
 
 
 def _target_tags(python: str, platforms: list[str]) -> set:
@@ -205,15 +248,16 @@ def test_every_locked_package_has_a_wheel_for_every_target():
     aarch64, macOS arm64 and win_amd64), so no learner builds a package from source. Linux's torch
     (2.13.0+cpu) is not on PyPI: it is checked on PyTorch's CPU index when that can be reached, and otherwise
     only PyPI's torch 2.13.0 is (a warning says so)."""
+    index = _Index()
     try:
-        _wheels("pip", "25.0")
-    except (urllib.error.URLError, OSError, KeyError, ValueError) as e:
-        pytest.skip(f"PyPI's JSON API (https://pypi.org/pypi/...) cannot be reached from here ({e}): "
+        index.wheels("pip", "25.0")
+    except (urllib.error.URLError, OSError, http.client.HTTPException, KeyError, ValueError) as e:
+        pytest.skip(f"PyPI's index (https://pypi.org/simple/...) cannot be reached from here ({e}): "
                     "the per-target wheel check needs the network")
     lines = _lock_lines()
     versions = sorted({(n, v.split("+")[0]) for n, v, _ in lines})
-    with ThreadPoolExecutor(8) as pool:
-        files = dict(zip(versions, pool.map(lambda nv: _wheels(*nv), versions)))
+    files = {(name, version): index.wheels(name, version) for name, version in versions}
+    index.connection.close()
     try:
         torch_cpu = re.findall(r"torch-[^\"'<>/#]+?\.whl", urllib.parse.unquote(_get(PYTORCH_CPU_PAGE).decode()))
     except (urllib.error.URLError, OSError) as e:
