@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -90,6 +91,7 @@ class LabServer:
 
     def __init__(self, root: Path, work: Path):
         self.root, self.port, self.token = root, _free_port(), secrets.token_hex(16)
+        self.pending: list[threading.Thread] = []     # kernels being ended (``shutdown_kernels(wait=False)``)
         settings = work / "settings"
         for name, value in LAB_SETTINGS.items():
             (settings / name).parent.mkdir(parents=True, exist_ok=True)
@@ -131,18 +133,32 @@ class LabServer:
         raise TimeoutError(f"jupyter lab did not answer within {SERVER_START_TIMEOUT_S} s:\n"
                            f"{log.read_text(errors='replace')[-3000:]}")
 
-    def shutdown_kernels(self) -> None:
-        """End every kernel now (the next notebook starts with the cores free)."""
-        for kernel in self.api("kernels") or []:
-            req = urllib.request.Request(f"http://127.0.0.1:{self.port}/api/kernels/{kernel['id']}"
-                                         f"?token={self.token}", method="DELETE")
-            try:
-                urllib.request.urlopen(req, timeout=30).close()
-            except (urllib.error.URLError, OSError):
-                pass   # already gone
+    def shutdown_kernels(self, wait: bool = True) -> None:
+        """End every kernel now. ``wait=False``: ask for it and go on; the server answers each request once the
+        kernel has ended (it ends its engine workers and the grader's standby first, about 2 s), and the
+        next notebook's page loads meanwhile."""
+        requests = [urllib.request.Request(f"http://127.0.0.1:{self.port}/api/kernels/{kernel['id']}"
+                                           f"?token={self.token}", method="DELETE")
+                    for kernel in self.api("kernels") or []]
+
+        def delete():
+            for req in requests:
+                try:
+                    urllib.request.urlopen(req, timeout=30).close()
+                except (urllib.error.URLError, OSError):
+                    pass   # already gone
+
+        if wait:
+            delete()
+            return
+        thread = threading.Thread(target=delete, name="shutdown-kernels", daemon=True)
+        thread.start()
+        self.pending.append(thread)
 
     def stop(self) -> None:
         """Ask the server to shut down (it ends its kernels), then make sure it and its group are gone."""
+        for thread in self.pending:
+            thread.join(timeout=30)
         try:
             self.shutdown_kernels()
         except (urllib.error.URLError, OSError):

@@ -240,7 +240,7 @@ def test_the_check_flags_broken_outputs(lab, browser, copy_into_lab):
         cells = run_all_cells(browser, name)
         problems = find_problems(cells, code_sources(BROKEN))
     finally:
-        lab.shutdown_kernels()
+        lab.shutdown_kernels(wait=False)      # the next lesson's page loads while this kernel ends
     flagged = {int(re.match(r"code cell (\d+)", p)[1]) for p in problems}
     text = "\n".join(problems)
     assert flagged == {1, 2, 3, 4, 5, 6, 7, 8}, text       # code cell 0 is a working widget
@@ -277,4 +277,4 @@ def test_lesson_runs_and_renders_in_jupyterlab(path, lab, browser, copy_into_lab
         browser.save_screenshot(str(SCREENSHOTS / f"{path.stem}_failure.png"))
         raise
     finally:
-        lab.shutdown_kernels()
+        lab.shutdown_kernels(wait=False)      # the next lesson's page loads while this kernel ends
