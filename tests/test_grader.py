@@ -1643,8 +1643,9 @@ def _variant(tmp_path: Path, exercise: str, old: str, new: str | None) -> Path:
     return tmp_path
 
 
-def _run_exercise(impl: Path, exercise: str) -> dict[str, str]:
-    """Run the graded tests of one exercise in this process against ``impl``: {test name: "passed" or why not}."""
+def _run_exercise(impl: Path, exercise: str, explain: bool = True) -> dict[str, str]:
+    """Run the graded tests of one exercise in this process against ``impl``: {test name: "passed" or why not}.
+    ``explain=False``: a failed engine run does not run the step again to say where it went wrong."""
     import importlib.util
     import inspect
 
@@ -1664,7 +1665,7 @@ def _run_exercise(impl: Path, exercise: str) -> dict[str, str]:
     seed = fixtures.grading_seed_value()
     _SEEDS_USED.append(seed)
     provided = {name: lambda: module, "tiny_model": lambda: build_model("tiny", seed=0),
-                "engine_run": fixtures.make_engine_run, "drawn": lambda: fixtures.Drawn(seed), "grading_seed": lambda: seed}
+                "engine_run": lambda: fixtures.make_engine_run(explain), "drawn": lambda: fixtures.Drawn(seed), "grading_seed": lambda: seed}
     outcomes = {}
     try:
         for test_name, fn in vars(tests).items():
@@ -1702,7 +1703,9 @@ def _graded_conftest():
 
 @pytest.mark.parametrize("exercise, mistake, old, new", [_marked_like_its_tests(w, f"{w[0]} {w[1]}") for w in WRONG])
 def test_every_kind_of_mistake_loses_points(tmp_path, exercise, mistake, old, new):
-    outcomes = _run_exercise(_variant(tmp_path, exercise, old, new), exercise)
+    # Without the traced second run that says where a failed engine run went wrong (a third of an engine
+    # exercise's time here): what it says is checked in test_messages.py and test_grading_04_05.py.
+    outcomes = _run_exercise(_variant(tmp_path, exercise, old, new), exercise, explain=False)
     failed = {name: why for name, why in outcomes.items() if why != "passed"}
     assert failed, (f"Exercise {exercise} with the mistake '{mistake}' still passes every graded test "
                     f"({_seed_note()})")

@@ -200,14 +200,16 @@ def _engine_cause(step, spec, ids, method, p, chunks, ref_cache) -> str:
     return f"; {cause}" if cause else ""
 
 
-def make_engine_run():
+def make_engine_run(explain: bool = True):
     """``engine_run(step, "4.2", "tsp", p, chunks, seed=..., spec=..., decode=..., note=..., **options)`` -> (result,
     one-process cache); ``options`` go to ``parallel_prefill`` (``balance``, ``ring_pass``, ``cached``).
 
     Checks that ``step`` is the student's own, runs it inside the real engine
     on p gloo processes started from the submission's side (a crash, a wrong
     shape or a deadlock fails within ``engine_limit_s()``) and compares the first-token
-    logits with the one-process forward pass, computed here.
+    logits with the one-process forward pass, computed here. When they differ, the
+    failure says where the ranks' attention first went wrong (``_engine_cause``: the step
+    runs once more, traced), unless ``explain`` is False.
     """
     from toyllm.grading import sandboxed
     from toyllm.parallel import ModelSpec, single_prefill
@@ -229,7 +231,8 @@ def make_engine_run():
         diff = (got.logits - ref_logits).abs().max().item()
         if not diff < ENGINE_ATOL:                # NaN logits (a query that sees no key) fail too
             # where the ranks' attention first differs: traced for the steps that call layer.attend (TSP, KVR)
-            cause = "" if method == "ring" else _engine_cause(step, spec, ids, method, p, chunks, ref_cache)
+            cause = "" if method == "ring" or not explain else _engine_cause(step, spec, ids, method, p, chunks,
+                                                                            ref_cache)
             pytest.fail(f"{where}: first-token logits differ from one process by {diff:.2e} (allowed "
                         f"{ENGINE_ATOL:g}){cause}")
         return got, ref_cache
