@@ -140,26 +140,42 @@ def test_layers_import_only_downwards():
 MODULES = sorted(_module_name(f) for f in PACKAGE.rglob("*.py") if f.name != "__main__.py")
 
 # One interpreter for all modules (starting one per module would import torch ~30 times): before each
-# import every toyllm module is dropped from sys.modules, so each one is imported first, on its own.
+# import every toyllm module is dropped from sys.modules, so each one is imported first, on its own. First of
+# all, the module an engine worker imports to run a graded step: whether it brought pytest along.
+WORKER_MODULE = "toyllm.grading.sandbox.harness"
 _IMPORT_EACH = """
 import importlib, json, sys, traceback
+importlib.import_module(sys.argv[1])
+worker_imports_pytest = "pytest" in sys.modules
 failures = {}
-for name in sys.argv[1:]:
+for name in sys.argv[2:]:
     for loaded in [m for m in sys.modules if m == "toyllm" or m.startswith("toyllm.")]:
         del sys.modules[loaded]
     try:
         importlib.import_module(name)
     except BaseException:
         failures[name] = traceback.format_exc()[-2000:]
-print(json.dumps(failures))
+print(json.dumps({"failures": failures, "worker_imports_pytest": worker_imports_pytest}))
 """
 
 
 @pytest.fixture(scope="module")
-def import_failures():
-    out = subprocess.run([sys.executable, "-c", _IMPORT_EACH, *MODULES], capture_output=True, text=True, timeout=300)
+def imported():
+    out = subprocess.run([sys.executable, "-c", _IMPORT_EACH, WORKER_MODULE, *MODULES], capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def import_failures(imported):
+    return imported["failures"]
+
+
+def test_an_engine_worker_running_a_graded_step_does_not_import_pytest(imported):
+    """Each of the hundreds of engine workers a grading starts imports the harness; pytest would add 0.13 s to each
+    (``toyllm.grading`` imports the grader, which must not import its pytest plugin)."""
+    assert imported["worker_imports_pytest"] is False
 
 
 @pytest.mark.parametrize("module", MODULES)

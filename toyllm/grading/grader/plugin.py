@@ -24,8 +24,7 @@ from ... import answers
 from ..sandbox import process as sandbox
 from ...course import NAMED_IMPLS, current_impl, resolve_impl
 from ..settings import Settings
-
-EXERCISE_ID = re.compile(r"^(\d+)\.(\d+)$")
+from .report import EXERCISE_ID
 
 
 def _settings() -> Settings:

@@ -49,6 +49,9 @@ def format_points(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else f"{x:.2f}"
 
 
+EXERCISE_ID = re.compile(r"^(\d+)\.(\d+)$")        # "3.2": an exercise's number, as the ``exercise`` marker gives it
+
+
 def exercise_key(ex: str) -> tuple[int, int]:
     """"3.10" sorts after "3.9"."""
     major, minor = ex.split(".")

@@ -4,8 +4,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .plugin import EXERCISE_ID
-from .report import exercise_key
+from .report import EXERCISE_ID, exercise_key
 
 
 def lesson_of(name: str | int) -> int:
