@@ -53,6 +53,10 @@ demo: setup
 # The fast tier, for every edit (under a minute): the tests that start no process (TOYLLM_CHECK=1 fails any
 # test that tries), run no notebook and open no browser. pyproject.toml's markers name the other slices.
 FAST_TIER := not slow and not engine and not grader and not notebook and not browser and not gpu
+# Python's bytecode caches are written even where the environment says not to (PYTHONDONTWRITEBYTECODE, set
+# on some CI machines): each of the hundreds of Python processes a run starts then compiles toyllm's files and
+# the tests' rewritten asserts once, not each time (__pycache__/ is git-ignored).
+check test: export PYTHONDONTWRITEBYTECODE =
 check: setup
 	TOYLLM_CHECK=1 TOYLLM_IMPL=solutions TOYLLM_FAST=1 $(PYTHON) -m pytest tests -q -m "$(FAST_TIER)" --durations=5
 

@@ -10,7 +10,7 @@ they cannot differ there; the course's run is what proves they run no exercise.
 
 ``make test`` runs the tests in two processes side by side (pytest-xdist, ``-n 2``). A test marked ``alone``
 compares what exists on the whole machine before and after it (processes, scratch folders in /tmp), so it runs
-with no other test beside it (``side_by_side``).
+with no other test beside it but those of ``make check``'s tier (``side_by_side``).
 """
 import atexit
 import os

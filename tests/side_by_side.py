@@ -3,8 +3,9 @@
 A test marked ``alone`` compares what exists on the whole machine before and after it: the processes, the
 scratch folders in /tmp, the user ids in use. Another test running beside it would show up there, so while it
 runs (its fixtures' setup and teardown included) no other test does, except the tests of ``make check``'s tier
-(no marker of ``HEAVY``): those start no process (``make check`` fails any that tries) and write only under
-pytest's own temporary folder, so they leave nothing an ``alone`` test looks at. The worker processes share a
+(no marker of ``HEAVY``): those start no grading, sandbox or engine worker (``make check`` fails a test that
+starts any process) and write only under pytest's own temporary folder, so they leave nothing an ``alone`` test
+looks at. The worker processes share a
 readers-writer lock: two files in a folder that the process that starts them makes (``pytest_configure``).
 
 Waiting costs a core: while an ``alone`` test waits for the other process's test to end, and while it runs,
