@@ -41,7 +41,6 @@ import sys
 import time
 from pathlib import Path
 
-import nbformat
 import pytest
 from verdict_text import HOG_LESSONS, TIMING_LESSONS, check_problems, count_verdicts, cpu_hog, verdict_problems
 
@@ -67,6 +66,8 @@ DIRECT_IMPORT = re.compile(r"^\s*(?:from|import)\s+(?:solutions|exercises)\b|\bs
 
 
 def read(path: Path):
+    import nbformat      # here, not at the top: its import (jsonschema's grammars) costs each collecting process ~1 s
+
     return nbformat.read(path, as_version=4)
 
 
@@ -127,6 +128,8 @@ def test_the_first_three_lessons_exist():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
 def test_committed_without_outputs(path):
+    import nbformat
+
     nb = read(path)
     nbformat.validate(nb)
     dirty = [i for i, c in enumerate(nb.cells)
@@ -290,6 +293,7 @@ def test_notebook_runs_top_to_bottom(path, kernel_spec_manager, monkeypatch, req
 def test_parallel_prefill_runs_from_a_jupyter_kernel(kernel_spec_manager):
     """Inside a kernel ``__main__`` is not a file: spawn must still start workers, and a failing rank must
     surface in the cell with its traceback rather than hang the kernel."""
+    import nbformat
     from jupyter_client.manager import KernelManager
     from nbclient import NotebookClient
 

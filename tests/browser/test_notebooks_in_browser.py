@@ -33,7 +33,6 @@ import re
 import time
 from pathlib import Path
 
-import nbformat
 import pytest
 
 from toyllm import answers
@@ -189,6 +188,8 @@ def run_all_cells(driver, name: str) -> list[dict]:
 
 
 def code_sources(path: Path) -> list[str]:
+    import nbformat      # here, not at the top: its import costs each collecting process ~1 s
+
     return [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
 
 
