@@ -272,6 +272,28 @@ def test_a_process_that_keeps_reforking_dies_with_its_sandbox_and_temporary_file
     assert again.by_exercise()["3.1"] == (2, 2)
 
 
+def _spinning(grader: subprocess.Popen, within_s: float = 30.0) -> bool:
+    """Whether a sandbox of this grading keeps a core busy (the ``hanging`` fixture's loop) within ``within_s``:
+    at least half of a 0.5 s look."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        sandboxes = []
+        for p in psutil.Process(grader.pid).children(recursive=True):
+            try:
+                if p.name() == SANDBOX_NAME:
+                    sandboxes.append((p, sum(p.cpu_times()[:2])))
+            except psutil.Error:
+                pass
+        time.sleep(0.5)
+        for p, before in sandboxes:
+            try:
+                if sum(p.cpu_times()[:2]) - before >= 0.25:
+                    return True
+            except psutil.Error:
+                pass
+    return False
+
+
 def _serving(grader: subprocess.Popen) -> bool:
     """Has a sandbox of this grading started serving? (``server.serve`` names its process ``NAME``.)"""
     import psutil
@@ -310,11 +332,12 @@ def test_sigterm_to_the_grader_ends_every_process_it_started(tmp_path, fixture):
             time.sleep(0.5)
         else:
             pytest.fail("the grader never started its sandbox within 60 s")
-        time.sleep(3)
+        if fixture == "escaping":
+            assert _escaped(watch_s=30), "the re-forking process never started"
+        else:
+            assert _spinning(proc), "the sandbox never started the hanging call (a loop that keeps a core busy)"
         started = psutil.Process(proc.pid).children(recursive=True)
         assert len(started) >= 2, "expected the pytest process and the sandbox"
-        if fixture == "escaping":
-            assert _escaped(), "the re-forking process never started"
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
         gone, alive = psutil.wait_procs(started, timeout=10)
