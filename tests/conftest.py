@@ -75,6 +75,7 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{item.nodeid} is marked library on its own: mark the whole file "
                                     "(pytestmark = pytest.mark.library), or none of it")
     if side_by_side is not None:
+        side_by_side.check_beside_alone(items)
         side_by_side.costliest_files_first(config, items)
 
 

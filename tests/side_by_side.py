@@ -5,13 +5,15 @@ scratch folders in /tmp, the user ids in use. Another test running beside it wou
 runs (its fixtures' setup and teardown included) no other test does, except the tests of ``make check``'s tier
 (no marker of ``HEAVY``): those start no grading, sandbox or engine worker (``make check`` fails a test that
 starts any process) and write only under pytest's own temporary folder, so they leave nothing an ``alone`` test
-looks at. The worker processes share a
+looks at. So do the files marked ``beside_alone``: files marked ``library`` too (a grading runs exercises, which
+such a file cannot reach: ``toyllm.course.refuse_in_library_test``), none of whose tests is marked ``grader``,
+``notebook`` or ``browser``; their engine workers and compilers are processes of this user, in no sandbox. The worker processes share a
 readers-writer lock: two files in a folder that the process that starts them makes (``pytest_configure``).
 
 Waiting costs a core: while an ``alone`` test waits for the other process's test to end, and while it runs,
-the other process can only run the light tests. So the ``alone`` tests sit together in one file, which keeps
-the lock from one to the next, and that file is handed out first, with the light files after it
-(``costliest_files_first``).
+the other process can only run those tests. So the ``alone`` tests sit together in one file, which keeps
+the lock from one to the next, and that file is handed out first, with the files that may run beside it after
+it (``costliest_files_first``).
 
 ``tests/conftest.py`` installs the hooks; ``tests/test_side_by_side.py`` shows that an ``alone`` test meets no
 other but a light one.
@@ -42,6 +44,24 @@ def light(item) -> bool:
     return not any(item.get_closest_marker(name) for name in (*HEAVY, "alone"))
 
 
+def beside_alone(item) -> bool:
+    """Whether ``item`` may run while an ``alone`` test does: a light one, or one of a file marked ``beside_alone``."""
+    return light(item) or item.get_closest_marker("beside_alone") is not None
+
+
+def check_beside_alone(items) -> None:
+    """A UsageError for a test marked ``beside_alone`` that could start a grading: its file is not marked
+    ``library``, or the test is marked ``grader``, ``notebook``, ``browser`` or ``alone``."""
+    for item in items:
+        if item.get_closest_marker("beside_alone") is None:
+            continue
+        wrong = [name for name in ("grader", "notebook", "browser", "alone") if item.get_closest_marker(name)]
+        if item.get_closest_marker("library") is None or wrong:
+            raise pytest.UsageError(f"{item.nodeid} is marked beside_alone, so it must start no grading: its file "
+                                    f"must be marked library and the test none of grader, notebook, browser or "
+                                    f"alone{f' (it is marked {wrong[0]})' if wrong else ' (it is not library)'}")
+
+
 def alone(item) -> bool:
     return item is not None and item.get_closest_marker("alone") is not None
 
@@ -64,11 +84,11 @@ def pytest_configure(config):
 
 def costliest_files_first(config, items) -> None:
     """In a worker: order the files by their cost, the costliest first, keeping each file's own order; but the
-    files holding ``alone`` tests first of all, and the files of light tests only right after them.
+    files holding ``alone`` tests first of all, and the files whose every test may run beside them right after.
 
     Each worker is handed whole files in this order (``--dist loadfile --no-loadscope-reorder``): one process
-    starts with the ``alone`` tests while the other runs the light files, the only ones that may run beside
-    them; then the longest ones (the browser's lessons, the grader's, the files of a long compile or 8k-token
+    starts with the ``alone`` tests while the other runs the files that may run beside them (the compiled steps'
+    file is the longest of those); then the longest ones (the browser's lessons, the grader's, the files of a long compile or 8k-token
     prefill) start at once instead of last, when the other process would have nothing left to do beside them.
     Both workers collect alike, so both order alike.
     """
@@ -76,13 +96,13 @@ def costliest_files_first(config, items) -> None:
         return
     cost: dict = defaultdict(float)
     has_alone: dict = defaultdict(bool)
-    all_light: dict = defaultdict(lambda: True)
+    all_beside: dict = defaultdict(lambda: True)
     for item in items:
         cost[item.path] += cost_s(item)
         has_alone[item.path] |= alone(item)
-        all_light[item.path] &= light(item)
+        all_beside[item.path] &= beside_alone(item)
     # stable: a file's tests keep their order
-    items.sort(key=lambda item: (not has_alone[item.path], not all_light[item.path], -cost[item.path]))
+    items.sort(key=lambda item: (not has_alone[item.path], not all_beside[item.path], -cost[item.path]))
 
 
 @contextlib.contextmanager
@@ -121,14 +141,15 @@ _held: contextlib.ExitStack | None = None   # the room, kept by an ``alone`` tes
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Under pytest-xdist, in a worker: a test marked ``alone`` runs with no other beside it but light ones.
+    """Under pytest-xdist, in a worker: a test marked ``alone`` runs with no other beside it but those that may
+    (``beside_alone``).
 
     Only in the workers themselves (``workerinput``): the pytest processes the grader starts inherit the
     environment and load the same conftest, and must not wait for a lock their own test holds.
     """
     global _held
     folder = os.environ.get(LOCKS_ENV)
-    if folder is None or not hasattr(item.config, "workerinput") or os.name != "posix" or light(item):
+    if folder is None or not hasattr(item.config, "workerinput") or os.name != "posix" or beside_alone(item):
         yield
         return
     if not alone(item):

@@ -15,7 +15,7 @@ from toyllm.generation import generate
 from first_layers import first_blocks
 
 # The library alone: no exercise runs here (tests/conftest.py checks it), so the student edition leaves it out.
-pytestmark = pytest.mark.library
+pytestmark = [pytest.mark.library, pytest.mark.beside_alone]   # starts no grading (side_by_side)
 
 PROMPT = list(range(5, 25))
 

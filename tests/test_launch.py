@@ -18,7 +18,7 @@ from toyllm.launch import (RankContext, WorkerError, WorkerPool, free_port, init
                            launched_by_torchrun, run_parallel)
 
 # The library alone: no exercise runs here (tests/conftest.py checks it), so the student edition leaves it out.
-pytestmark = pytest.mark.library
+pytestmark = [pytest.mark.library, pytest.mark.beside_alone]   # starts no grading (side_by_side)
 
 try:  # tests/ is a plain folder that pytest puts on sys.path ...
     import workers_for_tests as W

@@ -101,7 +101,7 @@ class _Item:
     """As much of a pytest item as the ordering reads: its file and its markers."""
 
     def __init__(self, path: str, **marks):
-        self.path, self.marks = path, marks
+        self.path, self.nodeid, self.marks = path, path, marks
 
     def get_closest_marker(self, name):
         if name not in self.marks:
@@ -109,7 +109,7 @@ class _Item:
         return SimpleNamespace(name=name, args=tuple(self.marks[name]))     # what the ordering reads of a mark
 
 
-def test_the_alone_file_goes_first_then_the_light_files_then_the_costliest_a_takes_mark_counting_over_the_others():
+def test_the_alone_file_goes_first_then_the_files_beside_it_then_the_costliest_a_takes_mark_counting_over_the_others():
     from side_by_side import UNMARKED_S, cost_s, costliest_files_first
 
     compile_ = _Item("compiled.py", slow=(), takes=(70,))
@@ -117,12 +117,23 @@ def test_the_alone_file_goes_first_then_the_light_files_then_the_costliest_a_tak
     assert cost_s(_Item("a.py")) == UNMARKED_S
     items = [_Item("small.py"), _Item("grader.py", grader=(), slow=()), _Item("small.py", engine=()), compile_,
              _Item("light.py"), _Item("compiled.py"), _Item("isolation.py", alone=(), slow=()), _Item("light.py"),
-             _Item("isolation.py", alone=())]
+             _Item("isolation.py", alone=()), _Item("launch.py", library=(), beside_alone=(), engine=(), slow=()),
+             _Item("launch.py", library=(), beside_alone=())]
     config = type("Config", (), {"workerinput": {}})()
     costliest_files_first(config, items)
-    assert [i.path for i in items] == ["isolation.py", "isolation.py", "light.py", "light.py", "compiled.py",
-                                       "compiled.py", "grader.py", "small.py", "small.py"]
-    assert items[4] is compile_                          # a file's tests keep their order
+    assert [i.path for i in items] == ["isolation.py", "isolation.py", "launch.py", "launch.py", "light.py", "light.py",
+                                       "compiled.py", "compiled.py", "grader.py", "small.py", "small.py"]
+    assert items[6] is compile_                          # a file's tests keep their order
+
+
+def test_a_file_beside_the_alone_tests_must_be_library_and_start_no_grading():
+    from side_by_side import check_beside_alone
+
+    check_beside_alone([_Item("launch.py", library=(), beside_alone=(), engine=()), _Item("a.py", grader=())])
+    for marks, why in [({}, "it is not library"), ({"library": (), "grader": ()}, "it is marked grader"),
+                       ({"library": (), "notebook": ()}, "it is marked notebook")]:
+        with pytest.raises(pytest.UsageError, match=f"a.py is marked beside_alone, so it must start no grading.*{why}"):
+            check_beside_alone([_Item("a.py", beside_alone=(), **marks)])
 
 
 def test_a_light_test_is_one_of_make_checks_tier():
