@@ -7,7 +7,9 @@ runs (its fixtures' setup and teardown included) no other test does, except the 
 starts any process) and write only under pytest's own temporary folder, so they leave nothing an ``alone`` test
 looks at. So do the files marked ``beside_alone``: files marked ``library`` too (a grading runs exercises, which
 such a file cannot reach: ``toyllm.course.refuse_in_library_test``), none of whose tests is marked ``grader``,
-``notebook`` or ``browser``; their engine workers and compilers are processes of this user, in no sandbox. The worker processes share a
+``notebook`` or ``browser``; their engine workers and compilers are processes of this user, in no sandbox.
+
+The worker processes share a
 readers-writer lock: two files in a folder that the process that starts them makes (``pytest_configure``).
 
 Waiting costs a core: while an ``alone`` test waits for the other process's test to end, and while it runs,
@@ -88,8 +90,9 @@ def costliest_files_first(config, items) -> None:
 
     Each worker is handed whole files in this order (``--dist loadfile --no-loadscope-reorder``): one process
     starts with the ``alone`` tests while the other runs the files that may run beside them (the compiled steps'
-    file is the longest of those); then the longest ones (the browser's lessons, the grader's, the files of a long compile or 8k-token
-    prefill) start at once instead of last, when the other process would have nothing left to do beside them.
+    file is the longest of those); then the longest ones (the browser's lessons, the grader's, the files of a
+    long compile or 8k-token prefill) start at once instead of last, when the other process would have nothing
+    left to do beside them.
     Both workers collect alike, so both order alike.
     """
     if not hasattr(config, "workerinput"):

@@ -198,25 +198,25 @@ class _Index:
             return connection
         return http.client.HTTPSConnection(self.HOST, timeout=20)
 
+    def _get(self, path: str) -> http.client.HTTPResponse:
+        self.connection = self.connection or self._connect()
+        self.connection.request("GET", path, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        response = self.connection.getresponse()
+        response.body = response.read()
+        return response
+
     def project(self, name: str) -> dict:
         path = f"/simple/{canonicalize_name(name)}/"
-        for attempt in (1, 2):                          # once more on a fresh connection if the server closed it
-            self.connection = self.connection or self._connect()
-            try:
-                self.connection.request("GET", path, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-                response = self.connection.getresponse()
-                body = response.read()
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
-                self.connection.close()
-                self.connection = None
-                if attempt == 2:
-                    raise
-                continue
-            if response.status != 200:
-                raise urllib.error.HTTPError(f"https://{self.HOST}{path}", response.status, response.reason,
-                                             response.headers, None)
-            return json.loads(body)
-        raise AssertionError("unreachable")
+        try:
+            response = self._get(path)
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            self.connection.close()                     # the server closed the kept connection: once more on a new one
+            self.connection = None
+            response = self._get(path)
+        if response.status != 200:
+            raise urllib.error.HTTPError(f"https://{self.HOST}{path}", response.status, response.reason,
+                                         response.headers, None)
+        return json.loads(response.body)
 
     def wheels(self, name: str, version: str) -> list[str]:
         """The wheel files of name==version, kept by the version their names give."""
